@@ -1,0 +1,55 @@
+# rlm-ops: `make demo` runs the main job on the embedded default, `make test` runs everything CI runs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Debian packages the tests use for real: sshd for the rig, Prometheus/Alertmanager/node_exporter
+# for monitoring, nftables for the firewall role, iproute2 for namespaces.
+TEST_SYSTEM_PACKAGES := openssh-server openssh-client prometheus prometheus-alertmanager \
+	prometheus-node-exporter nftables iproute2 procps psmisc util-linux
+DEMO_SYSTEM_PACKAGES := procps
+
+.PHONY: demo test lint bench venv clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+# Installs missing Debian packages when running as root; otherwise says what to install.
+define ensure_packages
+	@missing=""; for p in $(1); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing system packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else \
+	    echo "missing system packages:$$missing (install them as root: apt-get install$$missing)"; \
+	  fi; \
+	fi
+endef
+
+demo: venv
+	$(call ensure_packages,$(DEMO_SYSTEM_PACKAGES))
+	$(BIN)/python -m rlmctl demo
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/yamllint -s .
+	$(BIN)/ansible-lint --offline --profile production playbooks roles
+
+test: venv
+	$(call ensure_packages,$(TEST_SYSTEM_PACKAGES))
+	$(MAKE) lint
+	$(BIN)/pytest
+
+bench: venv
+	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

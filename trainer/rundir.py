@@ -1,0 +1,267 @@
+"""The run directory: the on-disk contract between the trainer, rlmctl and the exporter.
+
+It lives on the shared filesystem (Lustre in production). Everything that reads or writes it goes
+through this module, which imports only the standard library so that `rlmctl` and `rlm-exporter`
+start fast and never pull in torch.
+
+Layout::
+
+    <run_dir>/
+      config.yaml                       resolved trainer config
+      metrics.jsonl                     one JSON object per logged step (rank 0 appends)
+      status.json                       newest progress snapshot, replaced atomically
+      events.jsonl                      lifecycle events (start, checkpoint, nonfinite, exit, ...)
+      checkpoints/step-00001000/        one directory per checkpoint; manifest.json written last
+      hosts/<host>/launch.json          what rlmctl started on that host (pid, pgid, command)
+      hosts/<host>/launcher.log         stdout+stderr of that host's torchrun
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+CHECKPOINT_DIR_RE = re.compile(r"^step-(\d{8})$")
+
+
+class ExitCode(IntEnum):
+    """Trainer exit codes; `rlmctl watch` decides from them whether a restart can help."""
+
+    OK = 0  # finished, or stopped cleanly on SIGTERM/SIGUSR1 after saving a checkpoint
+    FAILED = 1  # unexpected error (crash, hung collective): restartable
+    BAD_CONFIG = 2  # user error in config or command line: a restart cannot help
+    DATA_ERROR = 3  # data missing, corrupt or not matching the model: a restart cannot help
+    NONFINITE = 4  # loss/gradients stayed non-finite past the rollback budget
+    PREEMPTED = 75  # EX_TEMPFAIL: saved and exited for preemption; resume when capacity returns
+
+    @property
+    def restartable(self) -> bool:
+        return self in (ExitCode.FAILED, ExitCode.PREEMPTED)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so that readers see either the old or the new file, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any | None:
+    """The parsed file, or None when it is missing or half-written."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    # One write() of a whole line, so concurrent readers never see half a record on POSIX.
+    line = json.dumps(record, sort_keys=True) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+
+
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of a JSON-lines file; a torn last line (writer still busy) is ignored."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                with contextlib.suppress(json.JSONDecodeError):
+                    yield json.loads(line)
+    except FileNotFoundError:
+        return
+
+
+def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    valid: bool
+    reason: str  # "ok" or why the checkpoint must not be used
+    size_bytes: int
+    mtime: float
+
+    @property
+    def age_seconds(self) -> float:
+        return max(0.0, time.time() - self.mtime)
+
+
+def verify_checkpoint(path: Path, full: bool = False) -> CheckpointInfo:
+    """Check a checkpoint directory against its manifest.
+
+    The quick check compares every file's size; `full` also compares sha256 digests. A checkpoint
+    without a manifest is partial by definition: the manifest is written last.
+    """
+    path = Path(path)
+    match = CHECKPOINT_DIR_RE.match(path.name)
+    step = int(match.group(1)) if match else -1
+
+    def result(valid: bool, reason: str, size: int = 0) -> CheckpointInfo:
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            mtime = 0.0
+        return CheckpointInfo(step, path, valid, reason, size, mtime)
+
+    manifest = read_json(path / MANIFEST_NAME)
+    if manifest is None:
+        return result(False, "no readable manifest.json (partial or interrupted save)")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        return result(False, "manifest.json lists no files")
+    if manifest.get("step") != step:
+        return result(False, f"manifest step {manifest.get('step')} does not match directory")
+    total = 0
+    for name, entry in sorted(files.items()):
+        file_path = path / name
+        try:
+            size = file_path.stat().st_size
+        except OSError:
+            return result(False, f"{name} is missing")
+        if size != entry.get("size"):
+            return result(False, f"{name} has {size} bytes, manifest says {entry.get('size')}")
+        if full and sha256_file(file_path) != entry.get("sha256"):
+            return result(False, f"{name} does not match its sha256")
+        total += size
+    return result(True, "ok", total)
+
+
+def write_manifest(path: Path, step: int, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Describe every file under a finished checkpoint directory; call after all files are synced."""
+    path = Path(path)
+    files = {}
+    for file_path in sorted(p for p in path.rglob("*") if p.is_file()):
+        name = file_path.relative_to(path).as_posix()
+        if name == MANIFEST_NAME:
+            continue
+        files[name] = {"size": file_path.stat().st_size, "sha256": sha256_file(file_path)}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "step": step,
+        "created": time.time(),
+        "files": files,
+        "meta": meta or {},
+    }
+    write_json_atomic(path / MANIFEST_NAME, manifest)
+    return manifest
+
+
+class RunDir:
+    """Paths and small readers/writers of one run directory."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def status_path(self) -> Path:
+        return self.path / "status.json"
+
+    @property
+    def events_path(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    def host_dir(self, host: str) -> Path:
+        return self.path / "hosts" / host
+
+    def launch_record_path(self, host: str) -> Path:
+        return self.host_dir(host) / "launch.json"
+
+    def launcher_log_path(self, host: str) -> Path:
+        return self.host_dir(host) / "launcher.log"
+
+    def create(self) -> RunDir:
+        for directory in (self.path, self.checkpoints_dir, self.path / "hosts"):
+            directory.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # progress -----------------------------------------------------------------------------------
+    def write_status(self, **fields: Any) -> None:
+        fields.setdefault("updated", time.time())
+        write_json_atomic(self.status_path, fields)
+
+    def read_status(self) -> dict[str, Any]:
+        status = read_json(self.status_path)
+        return status if isinstance(status, dict) else {}
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        append_jsonl(self.metrics_path, record)
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        return list(read_jsonl(self.metrics_path))
+
+    def append_event(self, kind: str, **fields: Any) -> None:
+        append_jsonl(self.events_path, {"time": time.time(), "event": kind, **fields})
+
+    def read_events(self) -> list[dict[str, Any]]:
+        return list(read_jsonl(self.events_path))
+
+    def restarts(self) -> int:
+        """Trainer starts after the first one, counted from `start` events."""
+        starts = sum(1 for event in read_jsonl(self.events_path) if event.get("event") == "start")
+        return max(0, starts - 1)
+
+    # checkpoints --------------------------------------------------------------------------------
+    def checkpoint_path(self, step: int) -> Path:
+        return self.checkpoints_dir / checkpoint_dir_name(step)
+
+    def checkpoints(self, full: bool = False) -> list[CheckpointInfo]:
+        """Every checkpoint directory, oldest first, each with its verification result."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        entries = [
+            verify_checkpoint(p, full=full)
+            for p in self.checkpoints_dir.iterdir()
+            if p.is_dir() and CHECKPOINT_DIR_RE.match(p.name)
+        ]
+        return sorted(entries, key=lambda info: info.step)
+
+    def latest_valid_checkpoint(self, full: bool = False) -> CheckpointInfo | None:
+        valid = [info for info in self.checkpoints(full=full) if info.valid]
+        return valid[-1] if valid else None
