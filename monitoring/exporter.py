@@ -1,0 +1,639 @@
+"""`rlm-exporter`: one per node; GPU, job, trainer-process, shared-filesystem and network metrics.
+
+Anything that can be slow or hang (vendor tools, the run directories and the shared filesystem,
+which is Lustre in production) is read by a background thread per source; a scrape only renders
+the newest snapshot, so it never waits on them. A snapshot older than its maximum age is dropped:
+its series disappear instead of going stale, and `rlm_exporter_source_up{source}` says 0.
+
+Process and network counters come from procfs/sysfs at scrape time (cheap, never hang).
+The `host` label is not set here: Prometheus attaches it from the file_sd target labels.
+Stdlib, psutil and prometheus-client only; never torch (the exporter must start fast on every node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import psutil
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from monitoring import gpu
+from trainer.rundir import RunDir
+
+log = logging.getLogger("rlm-exporter")
+
+DEFAULT_PORT = 9410
+RUN_STATES = ("starting", "running", "done", "stopped", "failed")
+# A finished run stays visible this long so dashboards show how it ended.
+FINISHED_RUN_VISIBLE_S = 3600.0
+NETWORK_FILESYSTEMS = {"lustre", "nfs", "nfs4", "beegfs", "gpfs", "ceph", "cephfs", "wekafs"}
+
+
+class Source:
+    """Runs `probe` every `interval_s` on a daemon thread and keeps its newest result.
+
+    A failing probe never stops the thread: the error is counted, the result is cleared (so no
+    stale series are exported) and the next interval tries again.
+    """
+
+    def __init__(
+        self, name: str, probe: Callable[[], Any], interval_s: float, errors: ErrorCounts
+    ) -> None:
+        self.name = name
+        self._probe = probe
+        self._errors = errors
+        self.interval_s = interval_s
+        # The probe's own timeout is interval-bound, so three intervals means it is stuck.
+        self.max_age_s = 3 * interval_s + 10
+        self._lock = threading.Lock()
+        self._result: Any = None
+        self._updated = 0.0
+        self._ok = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"source-{name}", daemon=True)
+
+    def start(self) -> Source:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def refresh(self) -> None:
+        try:
+            result, ok = self._probe(), True
+        except Exception as error:  # a source must never take the exporter down
+            result, ok = None, False
+            self._errors.count(self.name, error)
+        with self._lock:
+            self._result, self._ok, self._updated = result, ok, time.monotonic()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.refresh()
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def snapshot(self) -> tuple[bool, Any]:
+        """(fresh and successful, result); the result is None when it must not be exported."""
+        with self._lock:
+            fresh = self._updated and time.monotonic() - self._updated <= self.max_age_s
+            if not fresh:
+                return False, None
+            return self._ok, self._result
+
+
+class ErrorCounts:
+    """Errors per source (vendor tool, dmesg, rundir, sharedfs).
+
+    Each new message is logged once; a tool failing the same way every interval does not flood
+    the log, the counter keeps counting.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+        self._last_message: dict[str, str] = {}
+
+    def count(self, source: str, error: BaseException | str) -> None:
+        message = str(error)[:300]
+        with self._lock:
+            self.counts[source] = self.counts.get(source, 0) + 1
+            repeated = self._last_message.get(source) == message
+            self._last_message[source] = message
+        if not repeated:
+            log.warning("%s: %s", source, message)
+
+    def items(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return sorted(self.counts.items())
+
+
+# GPU -------------------------------------------------------------------------------------------
+@dataclass
+class GpuSnapshot:
+    gpus: list[gpu.GpuReading]
+    xids: dict[str, int] | None  # GPU index → XID events seen; None when unknown
+
+
+class GpuProbe:
+    """Runs the vendor tool (and, for NVIDIA, reads XID events from the kernel log)."""
+
+    def __init__(self, source: str, timeout_s: float, errors: ErrorCounts) -> None:
+        self.source = source
+        self.timeout_s = timeout_s
+        self.errors = errors
+        self._xid_lines: dict[tuple[int, int, int], set[str]] = {}
+
+    def __call__(self) -> GpuSnapshot:
+        output = gpu.run_tool(gpu.COMMANDS[self.source], self.timeout_s)
+        if output.returncode != 0:
+            message = f"{self.source} exited with {output.returncode}: {output.stderr_tail}"
+            if not output.stdout.strip():
+                raise gpu.ToolError(message)
+            self.errors.count(self.source, message)
+        parsed = gpu.PARSERS[self.source](output.stdout)
+        if not parsed.gpus:
+            raise gpu.ToolError(f"{self.source} reported no GPUs: {'; '.join(parsed.problems)}")
+        for problem in parsed.problems:
+            self.errors.count(self.source, problem)
+        xids = self._xids(parsed.gpus) if self.source == "nvidia-smi" else None
+        return GpuSnapshot(parsed.gpus, xids)
+
+    def _xids(self, gpus: list[gpu.GpuReading]) -> dict[str, int] | None:
+        """XID events per GPU since boot, as far as the kernel ring buffer still holds them.
+
+        Lines are remembered, so events that rotate out of the ring buffer are not lost and the
+        count only grows: a counter, so alerts can use increase() over a window.
+        """
+        try:
+            output = gpu.run_tool(gpu.DMESG_COMMAND, self.timeout_s)
+            if output.returncode != 0:
+                raise gpu.ToolError(f"dmesg exited with {output.returncode}: {output.stderr_tail}")
+        except gpu.ToolError as error:
+            self.errors.count("dmesg", error)
+            return None
+        for bus, lines in gpu.count_xids(output.stdout).items():
+            self._xid_lines.setdefault(bus, set()).update(lines)
+        return {g.gpu: len(self._xid_lines.get(g.pci_bus, ())) for g in gpus if g.pci_bus}
+
+
+# Run directories --------------------------------------------------------------------------------
+@dataclass
+class RunSnapshot:
+    name: str
+    status: dict[str, Any]
+    restarts: int
+    checkpoint_failures: int
+    checkpoint_step: int | None
+    checkpoint_mtime: float | None
+
+
+def find_run_dirs(run_roots: Iterable[Path], run_dirs: Iterable[Path]) -> list[Path]:
+    found = list(run_dirs)
+    for root in run_roots:
+        try:
+            children = sorted(root.iterdir())
+        except FileNotFoundError:
+            continue  # not mounted yet, or no run started: nothing to report
+        found += [
+            child
+            for child in children
+            if (child / "status.json").exists() or (child / "events.jsonl").exists()
+        ]
+    return found
+
+
+def read_run(path: Path) -> RunSnapshot:
+    run = RunDir(path)
+    status = run.read_status()
+    events = run.read_events()
+    checkpoint = run.latest_valid_checkpoint()
+    return RunSnapshot(
+        name=run.name,
+        status=status,
+        restarts=run.restarts(),
+        checkpoint_failures=sum(1 for e in events if e.get("event") == "checkpoint_failed"),
+        checkpoint_step=checkpoint.step if checkpoint else None,
+        checkpoint_mtime=checkpoint.mtime if checkpoint else None,
+    )
+
+
+def is_visible(snapshot: RunSnapshot, now: float) -> bool:
+    state = snapshot.status.get("state")
+    if state in ("starting", "running") or not snapshot.status:
+        return True
+    updated = snapshot.status.get("updated")
+    return isinstance(updated, int | float) and now - updated < FINISHED_RUN_VISIBLE_S
+
+
+class PartialResult(list):
+    """A probe result that is usable but incomplete: exported, with source_up 0."""
+
+
+class RunProbe:
+    def __init__(self, run_roots: list[Path], run_dirs: list[Path], errors: ErrorCounts) -> None:
+        self.run_roots = run_roots
+        self.run_dirs = run_dirs
+        self.errors = errors
+
+    def __call__(self) -> list[RunSnapshot]:
+        snapshots, failures = [], []
+        for path in find_run_dirs(self.run_roots, self.run_dirs):
+            try:
+                snapshots.append(read_run(path))
+            except OSError as error:
+                failures.append(f"{path}: {error.strerror or error}")
+        now = time.time()
+        visible = [s for s in snapshots if is_visible(s, now)]
+        if failures:
+            # Readable runs are still exported; the source reports the failure.
+            for failure in failures:
+                self.errors.count("rundir", f"cannot read run directory {failure}")
+            return PartialResult(visible)
+        return visible
+
+
+# Shared filesystem ------------------------------------------------------------------------------
+@dataclass
+class FilesystemSnapshot:
+    path: str
+    mounted: bool
+    fstype: str
+    size_bytes: float
+    avail_bytes: float
+
+
+def mount_of(path: Path) -> tuple[str, str]:
+    """(mount point, fstype) of the mount holding `path`: the longest matching mount point."""
+    resolved = os.path.realpath(path)
+    best = ("/", "")
+    for part in psutil.disk_partitions(all=True):
+        point = part.mountpoint
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, part.fstype)
+    return best
+
+
+def probe_filesystem(path: Path) -> FilesystemSnapshot:
+    stats = os.statvfs(path)  # on a hung Lustre this blocks: that is why it runs in a Source
+    mountpoint, fstype = mount_of(path)
+    return FilesystemSnapshot(
+        path=str(path),
+        mounted=mountpoint != "/" or fstype in NETWORK_FILESYSTEMS,
+        fstype=fstype,
+        size_bytes=float(stats.f_blocks * stats.f_frsize),
+        avail_bytes=float(stats.f_bavail * stats.f_frsize),
+    )
+
+
+# Scrape-time readers ------------------------------------------------------------------------------
+def runs_trainer(argv: list[str]) -> bool:
+    """True for trainer worker processes (`python -m trainer train`, `rlm-train train`).
+
+    torchrun's agent carries the same arguments but holds no GPU memory: it is not counted.
+    """
+    names = [os.path.basename(arg) for arg in argv]
+    if any(name in ("torchrun", "torch.distributed.run") for name in names[:3]):
+        return False
+    for i, name in enumerate(names):
+        if name == "rlm-train" or (name == "trainer" and i > 0 and argv[i - 1] == "-m"):
+            return argv[i + 1 : i + 2] == ["train"]
+    return False
+
+
+def trainer_processes(proc: str = "/proc") -> list[psutil.Process]:
+    # Plain reads of /proc/<pid>/cmdline, cheapest first: psutil.process_iter costs ~10x more per
+    # process. No caching by PID: a forked worker shows its parent's command line until it execs.
+    found = []
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/cmdline", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        if b"train" in raw and runs_trainer(raw.decode(errors="replace").split("\0")[:-1]):
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(int(name)))
+    return found
+
+
+def link_speed_bytes(device: str) -> float | None:
+    """Link speed in bytes/s; None when unknown (-1, down, or a virtual device without one)."""
+    try:
+        mbit = int((Path("/sys/class/net") / device / "speed").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return mbit * 125_000.0 if mbit > 0 else None
+
+
+# Collector ------------------------------------------------------------------------------------
+GPU_FAMILIES = (
+    ("utilization_ratio", GaugeMetricFamily, "rlm_gpu_utilization_ratio", "GPU busy fraction"),
+    ("memory_used_bytes", GaugeMetricFamily, "rlm_gpu_memory_used_bytes", "GPU memory in use"),
+    ("memory_total_bytes", GaugeMetricFamily, "rlm_gpu_memory_total_bytes", "GPU memory size"),
+    ("temperature_celsius", GaugeMetricFamily, "rlm_gpu_temperature_celsius", "Hottest sensor"),
+    ("power_watts", GaugeMetricFamily, "rlm_gpu_power_watts", "GPU power draw"),
+    ("power_limit_watts", GaugeMetricFamily, "rlm_gpu_power_limit_watts", "Enforced power cap"),
+    ("power_throttled", GaugeMetricFamily, "rlm_gpu_power_throttled", "1 while held by the cap"),
+    (
+        "ecc_uncorrected_total",
+        CounterMetricFamily,
+        "rlm_gpu_ecc_uncorrected_errors",
+        "Uncorrected ECC errors since the driver loaded",
+    ),
+    (
+        "ecc_corrected_total",
+        CounterMetricFamily,
+        "rlm_gpu_ecc_corrected_errors",
+        "Corrected ECC errors since the driver loaded",
+    ),
+)
+
+
+class RlmCollector(Collector):
+    def __init__(
+        self,
+        gpu_source: str | None,
+        gpu_state: Source | None,
+        runs: Source | None,
+        filesystem: Source | None,
+        errors: ErrorCounts,
+    ) -> None:
+        self.gpu_source = gpu_source
+        self.errors = errors
+        self.sources = {s.name: s for s in (gpu_state, runs, filesystem) if s}
+        self.gpu_state = gpu_state
+        self.runs = runs
+        self.filesystem = filesystem
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._exporter_metrics()
+        yield from self._gpu_metrics()
+        yield from self._run_metrics()
+        yield from self._filesystem_metrics()
+        yield from self._process_metrics()
+        yield from self._network_metrics()
+
+    def _exporter_metrics(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "rlm_exporter_gpu_source_info",
+            "Where GPU metrics come from: nvidia-smi, amd-smi, rocm-smi or none",
+            labels=["source"],
+        )
+        info.add_metric([self.gpu_source or "none"], 1)
+        yield info
+        up = GaugeMetricFamily(
+            "rlm_exporter_source_up",
+            "1 when the source's newest background read succeeded and is fresh",
+            labels=["source"],
+        )
+        for name, source in self.sources.items():
+            ok, result = source.snapshot()
+            up.add_metric([name], 1 if ok and not isinstance(result, PartialResult) else 0)
+        yield up
+        errors = CounterMetricFamily(
+            "rlm_exporter_errors",
+            "Failed reads per source: vendor tool failed, hung or printed garbage, run dir unreadable",
+            labels=["source"],
+        )
+        for name, count in self.errors.items():
+            errors.add_metric([name], count)
+        yield errors
+
+    def _gpu_metrics(self) -> Iterator[Metric]:
+        if self.gpu_state is None:
+            return
+        _, snapshot = self.gpu_state.snapshot()
+        if snapshot is None:
+            return
+        for attribute, family_type, name, documentation in GPU_FAMILIES:
+            family = family_type(name, documentation, labels=["gpu"])
+            for reading in snapshot.gpus:
+                value = getattr(reading, attribute)
+                if value is not None:
+                    family.add_metric([reading.gpu], value)
+            if family.samples:
+                yield family
+        if snapshot.xids is not None:
+            xid = CounterMetricFamily(
+                "rlm_gpu_xid_errors", "NVIDIA XID events seen in the kernel log", labels=["gpu"]
+            )
+            for index, count in sorted(snapshot.xids.items()):
+                xid.add_metric([index], count)
+            yield xid
+
+    def _run_metrics(self) -> Iterator[Metric]:
+        if self.runs is None:
+            return
+        _, snapshots = self.runs.snapshot()
+        if not snapshots:
+            return
+        state = GaugeMetricFamily(
+            "rlm_run_state", "1 for the run's state in status.json", labels=["run", "state"]
+        )
+        status_gauges = {
+            "step": GaugeMetricFamily("rlm_run_step", "Last step in status.json", labels=["run"]),
+            "updated": GaugeMetricFamily(
+                "rlm_run_last_step_timestamp_seconds",
+                "When status.json was last written (unix time)",
+                labels=["run"],
+            ),
+            "max_steps": GaugeMetricFamily("rlm_run_max_steps", "Planned steps", labels=["run"]),
+            "checkpoint_interval_steps": GaugeMetricFamily(
+                "rlm_run_checkpoint_interval_steps", "Steps between checkpoints", labels=["run"]
+            ),
+        }
+        restarts = CounterMetricFamily(
+            "rlm_run_restarts", "Trainer starts after the first one", labels=["run"]
+        )
+        failures = CounterMetricFamily(
+            "rlm_run_checkpoint_failures", "checkpoint_failed events", labels=["run"]
+        )
+        checkpoint_step = GaugeMetricFamily(
+            "rlm_run_checkpoint_step", "Step of the newest verified checkpoint", labels=["run"]
+        )
+        checkpoint_age = GaugeMetricFamily(
+            "rlm_run_checkpoint_age_seconds",
+            "Age of the newest verified checkpoint",
+            labels=["run"],
+        )
+        now = time.time()
+        for run in snapshots:
+            current = run.status.get("state")
+            for name in RUN_STATES:
+                state.add_metric([run.name, name], 1.0 if current == name else 0.0)
+            for key, family in status_gauges.items():
+                value = run.status.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    family.add_metric([run.name], value)
+            restarts.add_metric([run.name], run.restarts)
+            failures.add_metric([run.name], run.checkpoint_failures)
+            if run.checkpoint_step is not None and run.checkpoint_mtime is not None:
+                checkpoint_step.add_metric([run.name], run.checkpoint_step)
+                checkpoint_age.add_metric([run.name], max(0.0, now - run.checkpoint_mtime))
+        yield state
+        yield from status_gauges.values()
+        yield from (restarts, failures, checkpoint_step, checkpoint_age)
+
+    def _filesystem_metrics(self) -> Iterator[Metric]:
+        if self.filesystem is None:
+            return
+        _, fs = self.filesystem.snapshot()
+        if fs is None:
+            return
+        for name, documentation, value in (
+            (
+                "rlm_shared_fs_mounted",
+                "1 when the shared directory is on its own mount",
+                fs.mounted,
+            ),
+            ("rlm_shared_fs_size_bytes", "Size of the shared filesystem", fs.size_bytes),
+            ("rlm_shared_fs_avail_bytes", "Space available to users", fs.avail_bytes),
+        ):
+            family = GaugeMetricFamily(name, documentation, labels=["path", "fstype"])
+            family.add_metric([fs.path, fs.fstype], float(value))
+            yield family
+
+    def _process_metrics(self) -> Iterator[Metric]:
+        alive = GaugeMetricFamily("rlm_trainer_processes", "Trainer worker processes alive")
+        rss = GaugeMetricFamily(
+            "rlm_trainer_resident_memory_bytes", "Trainer worker RSS", labels=["pid"]
+        )
+        cpu = CounterMetricFamily(
+            "rlm_trainer_cpu_seconds", "Trainer worker CPU time (user+system)", labels=["pid"]
+        )
+        fds = GaugeMetricFamily("rlm_trainer_open_fds", "Trainer worker open files", labels=["pid"])
+        count = 0
+        for process in trainer_processes():
+            try:
+                with process.oneshot():
+                    memory = process.memory_info().rss
+                    times = process.cpu_times()
+                    open_fds = process.num_fds()
+            except psutil.Error:
+                continue  # exited between listing and reading
+            count += 1
+            pid = str(process.pid)
+            rss.add_metric([pid], memory)
+            cpu.add_metric([pid], times.user + times.system)
+            fds.add_metric([pid], open_fds)
+        alive.add_metric([], count)
+        yield from (alive, rss, cpu, fds)
+
+    def _network_metrics(self) -> Iterator[Metric]:
+        received = CounterMetricFamily(
+            "rlm_network_receive_bytes", "Bytes received", labels=["device"]
+        )
+        sent = CounterMetricFamily("rlm_network_transmit_bytes", "Bytes sent", labels=["device"])
+        speed = GaugeMetricFamily(
+            "rlm_network_speed_bytes",
+            "Link speed in bytes/s (absent when unknown)",
+            labels=["device"],
+        )
+        for device, counters in sorted(psutil.net_io_counters(pernic=True).items()):
+            if device == "lo":
+                continue
+            received.add_metric([device], counters.bytes_recv)
+            sent.add_metric([device], counters.bytes_sent)
+            link = link_speed_bytes(device)
+            if link is not None:
+                speed.add_metric([device], link)
+        yield from (received, sent, speed)
+
+
+# Command line ----------------------------------------------------------------------------------
+def default_address() -> str:
+    """The node's cluster address: IPv4 of the default-route interface, else of the first
+    non-loopback interface (isolated cluster networks often have no default route)."""
+    try:
+        routes = [line.split() for line in Path("/proc/net/route").read_text().splitlines()[1:]]
+    except OSError:
+        routes = []
+    default = [fields[0] for fields in routes if fields[1:2] == ["00000000"]]
+    addresses = psutil.net_if_addrs()
+    for interface in default + sorted(name for name in addresses if name != "lo"):
+        for address in addresses.get(interface, []):
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return address.address
+    return "127.0.0.1"
+
+
+def build_collector(args: argparse.Namespace) -> RlmCollector:
+    errors = ErrorCounts()
+    source = gpu.detect_source() if args.gpu_source == "auto" else args.gpu_source
+    source = None if source == "none" else source
+    timeout_s = min(args.interval, 10.0)
+    gpu_state = runs = filesystem = None
+    if source:
+        gpu_state = Source(source, GpuProbe(source, timeout_s, errors), args.interval, errors)
+    if args.run_root or args.run_dir:
+        probe = RunProbe(args.run_root, args.run_dir, errors)
+        runs = Source("rundir", probe, args.interval, errors)
+    shared = args.shared_dir or (args.run_root[0] if args.run_root else None)
+    if shared:
+        filesystem = Source("sharedfs", lambda: probe_filesystem(shared), args.interval, errors)
+    return RlmCollector(source, gpu_state, runs, filesystem, errors)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse that reports bad input as one line (what is wrong, where to look), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = OneLineErrorParser(prog="rlm-exporter", description=__doc__.splitlines()[0])
+    parser.add_argument("--address", help="listen address (default: default-route interface)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument(
+        "--run-root", type=Path, action="append", default=[], help="directory of run directories"
+    )
+    parser.add_argument("--run-dir", type=Path, action="append", default=[], help="one run dir")
+    parser.add_argument(
+        "--shared-dir", type=Path, help="shared filesystem to watch (default: first --run-root)"
+    )
+    parser.add_argument("--gpu-source", choices=("auto", "none", *gpu.SOURCES), default="auto")
+    parser.add_argument(
+        "--interval", type=float, default=10.0, help="seconds between background reads"
+    )
+    args = parser.parse_args(argv)
+    if args.interval <= 0:
+        parser.error("--interval must be positive, e.g. --interval 10")
+    return args
+
+
+def serve(collector: RlmCollector, address: str, port: int) -> Any:
+    """Start the HTTP server and the background sources; returns the server (for tests)."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    server, _ = start_http_server(port, addr=address, registry=registry)
+    for source in collector.sources.values():
+        source.start()
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    address = args.address or default_address()
+    collector = build_collector(args)
+    try:
+        serve(collector, address, args.port)
+    except OSError as error:
+        print(
+            f"error: cannot listen on {address}:{args.port}: {error.strerror}; "
+            "pick a free --port or another --address",
+            file=sys.stderr,
+        )
+        return 2
+    log.info(
+        "serving http://%s:%d/metrics (gpu source: %s)",
+        address,
+        args.port,
+        collector.gpu_source or "none",
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        threading.Event().wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Prometheus file_sd target files from the Ansible inventory: the inventory stays the one list.
+
+    python -m monitoring.file_sd --inventory inventory/prod --out /etc/prometheus/targets
+
+writes one `<job>.json` per scrape job of monitoring/prometheus/prometheus.yml. Every target
+carries `host` (the inventory name); hosts in the inventory group `drained` also carry
+`drained="true"`, which keeps NodeDown quiet while they are out for maintenance. Prometheus
+re-reads the files on change; no reload needed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from monitoring.exporter import OneLineErrorParser
+from rlmctl.errors import RlmctlError
+from rlmctl.inventory import TRAINING_GROUP, Host, Inventory, load
+from trainer.rundir import write_json_atomic
+
+DRAINED_GROUP = "drained"
+# job → (port, which hosts). Ports are the defaults of the exporters and of the trainer's
+# metrics endpoint (rank 0 serves it, launched with metrics.port=9401).
+JOBS: dict[str, tuple[int, str]] = {
+    "node": (9100, "all"),
+    "rlm-exporter": (9410, "all"),
+    "dcgm": (9400, "nvidia"),
+    "amd-device-metrics": (5000, "amd"),
+    "rlm-trainer": (9401, "compute"),
+}
+
+
+def _wanted(host: Host, which: str) -> bool:
+    if which == "all":
+        return True
+    if which == "compute":
+        return TRAINING_GROUP in host.groups
+    return TRAINING_GROUP in host.groups and host.gpu_vendor == which
+
+
+def target_groups(inventory: Inventory) -> dict[str, list[dict[str, Any]]]:
+    """Per job, one file_sd target group per host, in inventory order."""
+    drained = set(inventory.groups.get(DRAINED_GROUP, []))
+    jobs: dict[str, list[dict[str, Any]]] = {}
+    for job, (port, which) in JOBS.items():
+        groups = []
+        for host in inventory.hosts.values():
+            if not _wanted(host, which):
+                continue
+            labels = {"host": host.name}
+            if host.name in drained:
+                labels["drained"] = "true"
+            groups.append({"targets": [f"{host.address}:{port}"], "labels": labels})
+        jobs[job] = groups
+    return jobs
+
+
+def write_targets(jobs: dict[str, list[dict[str, Any]]], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for job, groups in jobs.items():
+        # Atomic: Prometheus watches the directory and must never read half a file.
+        path = out / f"{job}.json"
+        write_json_atomic(path, groups)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineErrorParser(prog="python -m monitoring.file_sd", description=__doc__)
+    parser.add_argument("--inventory", "-i", required=True, help="Ansible inventory source")
+    parser.add_argument("--out", required=True, type=Path, help="directory for <job>.json files")
+    args = parser.parse_args(argv)
+    try:
+        inventory = load(args.inventory)
+        paths = write_targets(target_groups(inventory), args.out)
+    except RlmctlError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    except OSError as error:
+        print(
+            f"error: cannot write {args.out}: {error.strerror}; pick a writable --out",
+            file=sys.stderr,
+        )
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

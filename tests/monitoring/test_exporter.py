@@ -1,0 +1,280 @@
+"""rlm-exporter scraped over real HTTP: GPU tools on PATH, run directories, bad input."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from monitoring import exporter
+from tests.monitoring.conftest import install_tool, names, printing, scrape, value, wait_for
+from tests.monitoring.test_config import dashboard_queries, rules
+from trainer.rundir import RunDir, write_manifest
+
+GPU_SERIES = "rlm_gpu_temperature_celsius"
+
+
+def make_run(root: Path, name: str = "run-a", state: str = "running", step: int = 120) -> RunDir:
+    run = RunDir(root / name).create()
+    run.append_event("start")
+    run.append_event("start")  # one restart
+    run.append_event("checkpoint_failed", step=50, error="disk full")
+    for checkpoint_step in (50, 100):
+        path = run.checkpoint_path(checkpoint_step)
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"weights" * 10)
+        write_manifest(path, checkpoint_step)
+    broken = run.checkpoint_path(110)  # a save interrupted before its manifest
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"half")
+    run.write_status(state=state, step=step, loss=3.2, checkpoint_interval_steps=50, max_steps=1000)
+    return run
+
+
+def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
+    tmp_path, tool_bin, run_exporter
+) -> None:
+    install_tool(tool_bin, "nvidia-smi", printing("nvidia-smi-8gpu.csv"))
+    install_tool(tool_bin, "dmesg", printing("dmesg-xid.txt"))
+    runs = tmp_path / "runs"
+    make_run(runs)
+    (runs / "not-a-run").mkdir()
+    trainer = subprocess.Popen(  # looks like a trainer worker to the exporter; sleeps only
+        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "trainer", "train"]
+    )
+    try:
+        port = run_exporter("--run-root", str(runs), "--interval", "0.5")
+        samples = wait_for(
+            lambda: (
+                (s := scrape(port)) and "rlm_run_step" in names(s) and GPU_SERIES in names(s) and s
+            ),
+            what="GPU and run series",
+        )
+        assert value(samples, "rlm_exporter_gpu_source_info", source="nvidia-smi") == 1
+        assert value(samples, "rlm_exporter_source_up", source="nvidia-smi") == 1
+        assert value(samples, GPU_SERIES, gpu="2") == 66
+        assert value(samples, "rlm_gpu_utilization_ratio", gpu="6") == pytest.approx(0.97)
+        assert value(samples, "rlm_gpu_power_limit_watts", gpu="0") == 700
+        assert value(samples, "rlm_gpu_ecc_uncorrected_errors_total", gpu="7") == 1
+        assert value(samples, "rlm_gpu_xid_errors_total", gpu="2") == 1
+        assert value(samples, "rlm_gpu_xid_errors_total", gpu="7") == 2
+        assert value(samples, "rlm_gpu_xid_errors_total", gpu="0") == 0
+
+        assert value(samples, "rlm_run_step", run="run-a") == 120
+        assert value(samples, "rlm_run_state", run="run-a", state="running") == 1
+        assert value(samples, "rlm_run_state", run="run-a", state="failed") == 0
+        assert value(samples, "rlm_run_restarts_total", run="run-a") == 1
+        assert value(samples, "rlm_run_checkpoint_failures_total", run="run-a") == 1
+        assert value(samples, "rlm_run_checkpoint_step", run="run-a") == 100  # 110 is partial
+        assert 0 <= value(samples, "rlm_run_checkpoint_age_seconds", run="run-a") < 60
+        assert value(samples, "rlm_run_checkpoint_interval_steps", run="run-a") == 50
+        assert (
+            abs(value(samples, "rlm_run_last_step_timestamp_seconds", run="run-a") - time.time())
+            < 60
+        )
+        assert not any(labels and ("run", "not-a-run") in labels for _, labels in samples)
+
+        # Other trainers may run on this machine: look for ours, not for a total.
+        assert value(samples, "rlm_trainer_processes") >= 1
+        assert value(samples, "rlm_trainer_resident_memory_bytes", pid=str(trainer.pid)) > 1e6
+        assert value(samples, "rlm_trainer_open_fds", pid=str(trainer.pid)) >= 3
+
+        fs_samples = {
+            name: v for (name, labels), v in samples.items() if name.startswith("rlm_shared_fs_")
+        }
+        assert fs_samples["rlm_shared_fs_size_bytes"] >= fs_samples["rlm_shared_fs_avail_bytes"] > 0
+        assert fs_samples["rlm_shared_fs_mounted"] in (0, 1)
+        assert any(n == "rlm_network_receive_bytes_total" for n, _ in samples)
+
+        # Every exporter series the rules and the dashboard use exists under that exact name.
+        expressions = [rule["expr"] for rule in rules()] + dashboard_queries()
+        used = {n for e in expressions for n in re.findall(r"rlm_(?!train_)[a-z_]*[a-z]", e)}
+        if not any(exporter.link_speed_bytes(device) for device in os.listdir("/sys/class/net")):
+            used.discard("rlm_network_speed_bytes")  # no interface here reports a link speed
+        assert used and used <= names(samples)
+        trainer.kill()
+        trainer.wait()
+        wait_for(
+            lambda: value(scrape(port), "rlm_trainer_open_fds", pid=str(trainer.pid)) is None,
+            what="the killed trainer's series to go",
+        )
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_hanging_tool_counts_errors_drops_gpu_series_and_keeps_serving(
+    tool_bin, run_exporter
+) -> None:
+    flag = tool_bin / "hang"
+    # Prints the fixture until the flag file appears, then hangs like a wedged driver would.
+    install_tool(
+        tool_bin,
+        "amd-smi",
+        f"if [ -e '{flag}' ]; then sleep 300 & wait; fi\n" + printing("amd-smi-metric-8gpu.json"),
+    )
+    port = run_exporter("--gpu-source", "amd-smi", "--interval", "0.5")
+    wait_for(lambda: value(scrape(port), GPU_SERIES, gpu="7") == 67, what="amd-smi readings")
+    flag.touch()
+    samples = wait_for(
+        lambda: (s := scrape(port)) and GPU_SERIES not in names(s) and s, what="GPU series to go"
+    )
+    assert value(samples, "rlm_exporter_source_up", source="amd-smi") == 0
+    wait_for(
+        lambda: value(scrape(port), "rlm_exporter_errors_total", source="amd-smi"), what="error"
+    )
+    flag.unlink()
+    wait_for(lambda: value(scrape(port), GPU_SERIES, gpu="0") == 71, what="recovery")
+
+
+def test_garbage_printing_tool_counts_errors_and_exports_no_gpu_series(
+    tool_bin, run_exporter
+) -> None:
+    install_tool(tool_bin, "rocm-smi", "echo 'ERROR: rocm_smi_lib: driver not initialized'")
+    port = run_exporter("--gpu-source", "rocm-smi", "--interval", "0.3")
+    samples = wait_for(
+        lambda: (
+            (s := scrape(port))
+            and (value(s, "rlm_exporter_errors_total", source="rocm-smi") or 0) >= 2
+            and s
+        ),
+        what="repeated rocm-smi errors",
+    )
+    assert not any(name.startswith("rlm_gpu_") for name in names(samples))
+    assert value(samples, "rlm_exporter_source_up", source="rocm-smi") == 0
+    assert value(samples, "rlm_exporter_gpu_source_info", source="rocm-smi") == 1
+
+
+def test_partial_nvidia_output_exports_the_readable_gpus_and_counts_the_error(
+    tool_bin, run_exporter
+) -> None:
+    install_tool(tool_bin, "nvidia-smi", printing("nvidia-smi-partial.csv", exit_code=15))
+    install_tool(
+        tool_bin,
+        "dmesg",
+        "echo 'dmesg: read kernel buffer failed: Operation not permitted' >&2; exit 1",
+    )
+    port = run_exporter("--gpu-source", "nvidia-smi", "--interval", "0.5")
+    samples = wait_for(
+        lambda: (s := scrape(port)) and value(s, GPU_SERIES, gpu="0") and s, what="GPU series"
+    )
+    temperatures = {dict(labels)["gpu"] for n, labels in samples if n == GPU_SERIES}
+    assert temperatures == {"0", "1", "3", "4", "5", "6", "7"}
+    assert value(samples, "rlm_gpu_power_watts", gpu="4") is None  # [N/A]: no series, not 0
+    assert value(samples, "rlm_exporter_errors_total", source="nvidia-smi") >= 1
+    assert value(samples, "rlm_exporter_errors_total", source="dmesg") >= 1
+    assert "rlm_gpu_xid_errors_total" not in names(samples)
+
+
+def test_no_gpu_tool_means_no_gpu_series(tool_bin, run_exporter, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tool_bin))
+    port = run_exporter("--interval", "0.5")
+    samples = scrape(port)
+    assert value(samples, "rlm_exporter_gpu_source_info", source="none") == 1
+    assert not any(name.startswith("rlm_gpu_") for name in names(samples))
+
+
+def test_unreadable_run_dir_is_reported_and_others_still_exported(tmp_path, run_exporter) -> None:
+    runs = tmp_path / "runs"
+    make_run(runs, "good")
+    bad = make_run(runs, "bad")
+    bad.events_path.unlink()
+    bad.events_path.mkdir()  # unreadable even for root, unlike a chmod
+    elsewhere = make_run(tmp_path / "elsewhere", "explicit", step=7)
+    port = run_exporter(
+        "--run-root", str(runs), "--run-dir", str(elsewhere.path),
+        "--interval", "0.5", "--gpu-source", "none",
+    )  # fmt: skip
+    samples = wait_for(
+        lambda: (
+            (s := scrape(port)) and value(s, "rlm_exporter_errors_total", source="rundir") and s
+        ),
+        what="rundir error",
+    )
+    assert value(samples, "rlm_exporter_source_up", source="rundir") == 0
+    assert value(samples, "rlm_run_step", run="good") == 120
+    assert value(samples, "rlm_run_step", run="explicit") == 7
+    assert value(samples, "rlm_run_step", run="bad") is None
+
+
+def test_missing_run_root_keeps_serving(tmp_path, run_exporter) -> None:
+    port = run_exporter("--run-root", str(tmp_path / "not-mounted-yet"), "--interval", "0.5")
+    samples = wait_for(
+        lambda: (s := scrape(port)) and "rlm_exporter_source_up" in names(s) and s,
+        what="exporter metrics",
+    )
+    assert not any(name.startswith("rlm_run_") for name in names(samples))
+    assert value(samples, "rlm_exporter_source_up", source="sharedfs") == 0
+
+
+def test_finished_runs_disappear_after_an_hour(tmp_path) -> None:
+    run = make_run(tmp_path, state="done")
+    snapshot = exporter.read_run(run.path)
+    assert exporter.is_visible(snapshot, time.time())
+    assert not exporter.is_visible(snapshot, time.time() + 2 * 3600)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/venv/bin/python", "-m", "trainer", "train", "--config", "c.yaml"], True),
+        (["/venv/bin/python", "-u", "-m", "trainer", "train"], True),
+        (["/venv/bin/rlm-train", "train", "--config", "c.yaml"], True),
+        (
+            ["/venv/bin/python", "/venv/bin/torchrun", "--nnodes", "2", "-m", "trainer", "train"],
+            False,
+        ),
+        (["/venv/bin/python", "-m", "torch.distributed.run", "-m", "trainer", "train"], False),
+        (["/venv/bin/python", "-m", "trainer", "prepare", "--out", "d"], False),
+        (["vim", "trainer/train.py"], False),
+    ],
+)
+def test_trainer_process_recognition(argv, expected) -> None:
+    assert exporter.runs_trainer(argv) is expected
+
+
+def test_link_speed_unknown_is_none(tmp_path) -> None:
+    assert exporter.link_speed_bytes("no-such-device0") is None
+
+
+def test_importing_the_exporter_does_not_import_torch() -> None:
+    code = "import sys, monitoring.exporter; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_port_in_use_is_one_line_error(run_exporter) -> None:
+    port = run_exporter("--gpu-source", "none")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monitoring.exporter",
+            "--address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": os.environ["PATH"]},
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: cannot listen on")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--interval", "x"], ["--interval", "0"], ["--gpu-source", "cuda"], ["--port"]],
+)
+def test_bad_arguments_are_one_line_errors(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        exporter.parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
