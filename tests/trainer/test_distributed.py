@@ -1,0 +1,101 @@
+"""Data parallelism for real: torchrun with gloo workers on this host, and our DDP comm hook."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.trainer.training_runs import TINY, final_weights, overrides, tiny_config, torchrun
+from trainer import distributed
+from trainer.config import CommConfig
+from trainer.model import RecurrentLM
+from trainer.rundir import ExitCode, RunDir
+from trainer.train import train
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    # A shared 2-core box: two intra-op threads per process only fight over the cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def param_count(cfg_overrides: list[str], data: Path, tmp: Path) -> int:
+    return RecurrentLM(tiny_config(data, tmp, *cfg_overrides).model).param_counts().total
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in RunDir(run_dir).read_metrics() if r["kind"] == "train"]
+
+
+def test_two_ranks_give_the_same_parameters_as_one(prepared_data: Path, tmp_path: Path) -> None:
+    # Same global batch (8 samples) split 1×(2×4) vs 2×(1×4): the math must not notice.
+    extra = ("train.steps=3", "comm.compression=none")
+    assert train(tiny_config(prepared_data, tmp_path / "one", *extra)) == ExitCode.OK
+    result = torchrun(2, "--config", str(TINY), *overrides(prepared_data, tmp_path / "two", *extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    for name, tensor in one.items():
+        # fp32; only the summation order of the gradient average differs.
+        torch.testing.assert_close(two[name], tensor, rtol=0, atol=1e-5, msg=name)
+    losses_one = [r["loss"] for r in train_records(tmp_path / "one")]
+    losses_two = [r["loss"] for r in train_records(tmp_path / "two")]
+    assert losses_two == pytest.approx(losses_one, abs=1e-5)
+    n_params = param_count([], prepared_data, tmp_path / "x")
+    assert {r["comm_bytes"] for r in train_records(tmp_path / "two")} == {4 * n_params}
+
+
+def test_bf16_compression_halves_the_bytes_and_still_learns(
+    prepared_data: Path, tmp_path: Path
+) -> None:
+    extra = ("train.steps=8", "comm.compression=bf16", "optim.lr=1e-2", "optim.warmup_steps=2")
+    result = torchrun(2, "--config", str(TINY), *overrides(prepared_data, tmp_path / "run", *extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = train_records(tmp_path / "run")
+    n_params = param_count([], prepared_data, tmp_path / "x")
+    assert {r["comm_bytes"] for r in records} == {2 * n_params}  # none sends 4 bytes per param
+    assert {r["comm_wire_bytes"] for r in records} == {2 * n_params}  # ring: 2(n-1)/n = 1 at n=2
+    assert max(r["loss"] for r in records[-2:]) < records[0]["loss"] - 0.5
+
+
+@pytest.fixture
+def single_rank_group(tmp_path: Path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield distributed.DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("compression", "factor", "bytes_per_param", "atol"),
+    [("none", 1.0, 4, 0.0), ("none", 8.0, 4, 1e-7), ("bf16", 4.0, 2, 1e-2), ("fp16", 2.0, 2, 1e-3)],
+)
+def test_comm_hook_averages_and_counts_bytes(
+    single_rank_group: distributed.DistEnv,
+    compression: str,
+    factor: float,
+    bytes_per_param: int,
+    atol: float,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference.load_state_dict(model.state_dict())
+    cfg = CommConfig(compression=compression, predivide_factor=factor)
+    ddp = distributed.wrap_model(model, single_rank_group, cfg, find_unused=False)
+    x = torch.randn(8, 16)
+    ddp(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    stats = distributed.comm_stats(ddp)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert stats.take() == bytes_per_param * n_params
+    assert stats.take() == 0  # reset once read
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0.01 if atol else 0, atol=atol)

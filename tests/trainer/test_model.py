@@ -1,0 +1,231 @@
+"""The depth-recurrent model: shapes, truncated backprop, depth sampling, seeding, configs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.errors import ConfigError
+from trainer.model import PRESETS, ModelConfig, RecurrentLM, model_config, sample_recurrence
+
+TINY = model_config("tiny")
+
+
+@pytest.fixture
+def model() -> RecurrentLM:
+    torch.manual_seed(0)
+    return RecurrentLM(TINY)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a second OpenMP thread only adds barrier waits, badly so on a busy host."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def batch(b: int = 2, t: int = 16) -> torch.Tensor:
+    return torch.randint(0, TINY.vocab_size, (b, t), generator=torch.Generator().manual_seed(1))
+
+
+def test_shapes_and_defaults(model: RecurrentLM) -> None:
+    ids = batch(3, 20)
+    out = model(ids)
+    assert out.logits.shape == (3, 20, TINY.vocab_size)
+    assert out.loss is None
+    assert out.num_steps == TINY.mean_recurrence
+    out = model(ids, labels=ids, num_steps=7)
+    assert out.num_steps == 7
+    assert out.loss.shape == () and out.loss.dtype == torch.float32
+    # freshly initialised logits are nearly uniform
+    assert abs(out.loss.item() - np.log(TINY.vocab_size)) < 0.5
+
+
+def test_bf16_autocast_keeps_fp32_loss(model: RecurrentLM) -> None:
+    ids = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels=ids, num_steps=2)
+    assert out.logits.dtype == torch.bfloat16
+    assert out.loss.dtype == torch.float32
+    out.loss.backward()
+    assert model.adapter.weight.grad.dtype == torch.float32
+
+
+def iterations_reached_by_gradient(model: RecurrentLM, num_steps: int, backprop_depth: int):
+    """(iterations run, iterations whose adapter output received a gradient in backward)."""
+    ran, reached = [], []
+
+    def on_adapter_output(module, inputs, output):
+        index = len(ran)
+        ran.append(index)
+        if output.requires_grad:
+            output.register_hook(lambda grad: reached.append(index))
+
+    handle = model.adapter.register_forward_hook(on_adapter_output)
+    try:
+        ids = batch()
+        model(ids, labels=ids, num_steps=num_steps, backprop_depth=backprop_depth).loss.backward()
+    finally:
+        handle.remove()
+    return ran, sorted(reached)
+
+
+def test_truncated_backprop_reaches_only_the_last_k_iterations(model: RecurrentLM) -> None:
+    ran, reached = iterations_reached_by_gradient(model, num_steps=6, backprop_depth=2)
+    assert ran == [0, 1, 2, 3, 4, 5]
+    assert reached == [4, 5]
+
+
+def test_all_iterations_get_gradient_when_depth_within_backprop(model: RecurrentLM) -> None:
+    ran, reached = iterations_reached_by_gradient(model, num_steps=3, backprop_depth=8)
+    assert ran == reached == [0, 1, 2]
+
+
+def test_no_grad_iterations_still_shape_the_output(model: RecurrentLM) -> None:
+    # The r−k forward-only iterations must feed the state, not be skipped.
+    ids = batch()
+    shallow = model(ids, num_steps=2, backprop_depth=2, state_seeds=[1, 2]).logits
+    deep = model(ids, num_steps=6, backprop_depth=2, state_seeds=[1, 2]).logits
+    assert not torch.allclose(shallow, deep)
+
+
+def train_step(checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """(loss, grads, number of tensors saved for backward) of one step from a fixed init."""
+    torch.manual_seed(0)
+    model = RecurrentLM(replace(TINY, activation_checkpointing=checkpointing))
+    ids = batch()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = model(ids, labels=ids, num_steps=4, backprop_depth=3, state_seeds=[5, 6]).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, len(saved)
+
+
+def test_activation_checkpointing_gives_identical_loss_and_grads() -> None:
+    loss_a, grads_a, saved_a = train_step(checkpointing=False)
+    loss_b, grads_b, saved_b = train_step(checkpointing=True)
+    assert saved_b < saved_a / 2  # checkpointing really dropped the core's activations
+    torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], msg=name)
+
+
+def test_state_seeds_make_batch_equal_to_per_sample_forwards(model: RecurrentLM) -> None:
+    ids = batch(3)
+    seeds = [11, 12, 13]
+    whole = model(ids, num_steps=3, state_seeds=seeds).logits
+    parts = torch.cat(
+        [model(ids[i : i + 1], num_steps=3, state_seeds=[seeds[i]]).logits for i in range(3)]
+    )
+    torch.testing.assert_close(whole, parts, rtol=1e-5, atol=1e-5)
+    # reordering the batch reorders the outputs: a sample's state follows its seed
+    swapped = model(ids[[2, 0, 1]], num_steps=3, state_seeds=[13, 11, 12]).logits
+    torch.testing.assert_close(swapped, whole[[2, 0, 1]], rtol=1e-5, atol=1e-5)
+
+
+def test_state_seeds_are_deterministic_and_global_rng_free(model: RecurrentLM) -> None:
+    ids = batch()
+    a = model(ids, state_seeds=[1, 2]).logits
+    torch.manual_seed(999)  # a different global RNG state must not matter
+    b = model(ids, state_seeds=[1, 2]).logits
+    c = model(ids, state_seeds=[1, 3]).logits
+    assert torch.equal(a, b)
+    assert torch.equal(a[0], c[0]) and not torch.allclose(a[1], c[1])
+    # without seeds the state is drawn fresh each forward
+    assert not torch.equal(model(ids).logits, model(ids).logits)
+
+
+def test_initial_state_distribution(model: RecurrentLM) -> None:
+    like = torch.empty(4, 64, TINY.d_model)
+    s = model.initial_state(like).double()
+    sigma = np.sqrt(2 / (5 * TINY.d_model)) * np.sqrt(TINY.d_model)
+    assert s.abs().max() <= 3 * sigma * (1 + 1e-6)
+    # a normal truncated at ±3σ has std 0.9866σ
+    assert s.std().item() == pytest.approx(0.9866 * sigma, rel=0.03)
+
+
+def test_depth_sampler_matches_distribution() -> None:
+    draws = np.array([sample_recurrence(seed=0, step=s, mean=32) for s in range(20_000)])
+    assert draws.min() >= 1
+    assert 32.6 < draws.mean() < 33.4  # E[r] = r̄ + 1
+    assert 28 <= np.median(draws) <= 30
+    assert 88 <= np.percentile(draws, 99) <= 100
+
+
+def test_depth_sampler_is_a_function_of_seed_and_step() -> None:
+    torch_state, np_state = torch.get_rng_state(), np.random.get_state()
+    first = [sample_recurrence(7, step, 32) for step in range(50)]
+    assert first == [sample_recurrence(7, step, 32) for step in range(50)]
+    assert len(set(first)) > 10
+    assert first != [sample_recurrence(8, step, 32) for step in range(50)]
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert np.random.get_state()[1].tolist() == np_state[1].tolist()
+
+
+def test_huginn_parameter_count_on_meta_device() -> None:
+    with torch.device("meta"):
+        model = RecurrentLM(PRESETS["huginn-3.5b"])
+    assert all(p.is_meta for p in model.parameters())
+    counts = model.param_counts()
+    assert 3.5e9 <= counts.total <= 3.6e9
+    assert counts.embedding == 65536 * 5280
+    assert counts.adapter == 2 * 5280 * 5280
+    assert counts.core == 2 * counts.prelude == 2 * counts.coda
+    assert counts.total == sum(p.numel() for p in model.parameters())
+
+
+def test_meta_model_materialises_with_init_weights() -> None:
+    with torch.device("meta"):
+        model = RecurrentLM(TINY)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    ids = batch()
+    loss = model(ids, labels=ids, num_steps=2).loss
+    assert torch.isfinite(loss)
+    reference = RecurrentLM(TINY)
+    torch.testing.assert_close(model.rope_cos, reference.rope_cos)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"n_heads": 3}, "n_heads=3 must divide"),
+        ({"d_model": 0}, "d_model must be > 0"),
+        ({"n_heads": 64}, "must be even for RoPE"),
+        ({"mean_recurrence": 0}, "mean_recurrence"),
+        ({"backprop_depth": -1}, "backprop_depth"),
+        ({"vocab_size": "4096"}, "vocab_size must be int"),
+        ({"compile": 1}, "compile must be bool"),
+        ({"n_core": 2.0}, "n_core must be int"),
+        ({"no_such_field": 1}, "unknown model field"),
+    ],
+)
+def test_invalid_config_is_a_one_line_config_error(overrides: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment) as info:
+        model_config("tiny", **overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_preset_names_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match=re.escape("tiny, small, 1b, huginn-3.5b")):
+        model_config("huge")
+
+
+def test_presets_are_valid_and_overrides_apply() -> None:
+    for cfg in PRESETS.values():
+        cfg.validate()
+    cfg = model_config("small", mean_recurrence=8)
+    assert isinstance(cfg, ModelConfig) and cfg.mean_recurrence == 8
+    assert PRESETS["small"].mean_recurrence == 4  # presets are not mutated
+
+
+def test_too_long_input_is_a_config_error(model: RecurrentLM) -> None:
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        model(torch.zeros(1, TINY.max_seq_len + 1, dtype=torch.long))

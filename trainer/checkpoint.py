@@ -1,0 +1,514 @@
+"""Durable checkpoints: atomic directory saves, retention, async save and resume selection.
+
+One checkpoint is one directory ``<run_dir>/checkpoints/step-00001000/`` holding
+
+    model.pt           the model state_dict
+    optimizer.pt       the optimizer state_dict
+    trainer_state.pt   scheduler, grad scaler, data progress, per-rank RNG states, config, version
+    manifest.json      sizes and sha256 of the files above (`rundir.write_manifest`), written last
+
+Atomicity: everything is written into a hidden sibling ``.tmp-step-00001000-<host>-<pid>`` (a name
+that never matches ``step-XXXXXXXX``), each file and the directory are fsynced, the directory is
+renamed into place and the parent directory is fsynced. A crash at any moment therefore leaves the
+earlier checkpoints plus either nothing or the new complete one under a ``step-*`` name; leftovers
+are only ever hidden temp directories, which resume ignores. docs/checkpoints.md has the argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from trainer.errors import ConfigError, UserError
+from trainer.rundir import (
+    CHECKPOINT_DIR_RE,
+    CheckpointInfo,
+    ExitCode,
+    RunDir,
+    checkpoint_dir_name,
+    verify_checkpoint,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"
+# One file per concern: a reader that only needs the weights (export, generate) reads model.pt.
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_STATE_FILE = "trainer_state.pt"
+# Pickle framing, the manifest and filesystem block rounding on top of the raw tensor bytes.
+SIZE_SLACK_BYTES = 1 << 20
+
+
+class CheckpointError(UserError):
+    """A save failed with `checkpoint.on_error=stop`: exit 1, a restart may succeed."""
+
+    exit_code = ExitCode.FAILED
+
+
+@dataclass
+class CheckpointConfig:
+    interval_steps: int = 1000  # save every N optimizer steps (and on SIGTERM / at the end)
+    keep_last: int = 3  # newest valid checkpoints kept; 0 keeps every checkpoint
+    keep_every: int = 0  # also keep steps divisible by this as milestones; 0 = no milestones
+    async_save: bool = False  # copy state to host memory, write in a background thread
+    verify: Literal["size", "full"] = "size"  # resume check: file sizes, or sizes + sha256
+    on_error: Literal["continue", "stop"] = "continue"  # a failed save: keep training, or exit 1
+    resume: str = "auto"  # auto (newest valid), never, or a checkpoint directory
+    min_free_bytes: int = 0  # free space to leave on the filesystem after a save
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError with one line naming the first invalid field."""
+        for name in ("interval_steps", "keep_last", "keep_every", "min_free_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"checkpoint.{name} must be an integer, got {value!r}")
+        if self.interval_steps < 1:
+            raise ConfigError(f"checkpoint.interval_steps must be >= 1, got {self.interval_steps}")
+        for name in ("keep_last", "keep_every", "min_free_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"checkpoint.{name} must be >= 0, got {getattr(self, name)}")
+        if not isinstance(self.async_save, bool):
+            raise ConfigError(
+                f"checkpoint.async_save must be true or false, got {self.async_save!r}"
+            )
+        if self.verify not in ("size", "full"):
+            raise ConfigError(f"checkpoint.verify must be size or full, got {self.verify!r}")
+        if self.on_error not in ("continue", "stop"):
+            raise ConfigError(
+                f"checkpoint.on_error must be continue or stop, got {self.on_error!r}"
+            )
+        if not isinstance(self.resume, str) or not self.resume.strip():
+            raise ConfigError(
+                "checkpoint.resume must be auto, never or a checkpoint directory, "
+                f"got {self.resume!r}"
+            )
+
+
+def state_nbytes(obj: Any) -> int:
+    """Bytes of tensor storage in a nested state; shared storages (tied weights) count once."""
+    seen: dict[tuple[int, str], int] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            seen[(storage.data_ptr(), str(value.device))] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item)
+
+    visit(obj)
+    return sum(seen.values())
+
+
+def to_host(obj: Any, staging: dict[tuple[Any, ...], torch.UntypedStorage] | None = None) -> Any:
+    """A deep copy of a nested state with every tensor in host memory.
+
+    Tensors that share a storage (tied weights, views) still share one copied storage, so the
+    async file holds the same bytes as a sync save of the live state would. `staging` keeps the
+    host buffers between calls (keyed by where a tensor sits in the state): copying into memory
+    that is already mapped is several times faster than first-touching fresh pages, and that copy
+    is the whole training stall of an async save.
+    """
+    copies: dict[tuple[int, str], torch.UntypedStorage] = {}
+    staging = {} if staging is None else staging
+
+    def copy_tensor(t: torch.Tensor, where: tuple[Any, ...]) -> torch.Tensor:
+        t = t.detach()
+        source = t.untyped_storage()
+        key = (source.data_ptr(), str(t.device))
+        host = copies.get(key)
+        if host is None:
+            host = staging.get(where)
+            if host is None or host.nbytes() != source.nbytes():
+                host = torch.UntypedStorage(source.nbytes())
+                if t.device.type == "cuda":
+                    host = host.pin_memory()
+                staging[where] = host
+            host.copy_(source)
+            copies[key] = host
+        return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+
+    def visit(value: Any, where: tuple[Any, ...]) -> Any:
+        if isinstance(value, torch.Tensor):
+            return copy_tensor(value, where)
+        if isinstance(value, dict):
+            return type(value)((k, visit(v, (*where, k))) for k, v in value.items())
+        if isinstance(value, list):
+            return [visit(v, (*where, i)) for i, v in enumerate(value)]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(visit(v, (*where, i)) for i, v in enumerate(value))
+        # Python/numpy RNG states and scheduler fields: small, and mutated by training later.
+        return copy.deepcopy(value)
+
+    return visit(obj, ())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _ErrorKeepingWriter:
+    """A file wrapper that remembers the OSError of a failed write.
+
+    torch.save turns a failed write into "RuntimeError: unexpected pos ..."; the operator needs
+    the original "No space left on device".
+    """
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    # The manifest's sha256 covers every byte already; torch's per-record CRC32 would be one more
+    # pass over the data (~20 % of a save). The option is process-wide, hence the restore.
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f, _without_zip_crc32():
+        writer = _ErrorKeepingWriter(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError as exc:
+            if writer.error is not None:
+                raise writer.error from exc
+            raise
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _json_safe(value: Any) -> Any:
+    """The value if it survives JSON, else its repr: manifest meta must never break a save."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CheckpointManager:
+    """Saves and loads the checkpoints of one run; only rank 0 writes.
+
+    `save` returns False (and counts a failure) when a save did not produce a checkpoint; with
+    `on_error=stop` it raises CheckpointError instead. With `async_save` the write runs in a
+    background thread: `save` returns once the state is copied to host memory, a failure of the
+    background write surfaces at the next `save` or `wait`. Call `wait()` before the process exits.
+    """
+
+    def __init__(self, run_dir: RunDir, cfg: CheckpointConfig, rank: int, world_size: int) -> None:
+        cfg.validate()
+        self.run_dir = run_dir
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.saves = 0
+        self.failures = 0
+        self.last_saved_step: int | None = None
+        self.last_save_seconds = 0.0  # wall time of the newest successful write (any thread)
+        self.loaded_path: Path | None = None
+        self._thread: threading.Thread | None = None
+        self._pending_error: CheckpointError | None = None
+        self._staging: dict[tuple[Any, ...], torch.UntypedStorage] = {}  # async host buffers
+        self._host = socket.gethostname()
+        # Called with a phase name at each step of a save; lets tests stop a save at a known point.
+        self.phase_hook: Callable[[str], None] = lambda phase: None
+
+    # saving ------------------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any]) -> bool:
+        if self.rank != 0:
+            return True
+        self.wait()
+        try:
+            self.run_dir.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temp_dirs()
+            self._check_free_space(step, state)
+        except OSError as exc:
+            return self._failed(step, exc, None)
+        if not self.cfg.async_save:
+            return self._write(step, state)
+        snapshot = to_host(state, self._staging)
+        self._thread = threading.Thread(
+            target=self._write, args=(step, snapshot), name=f"checkpoint-{step}", daemon=False
+        )
+        self._thread.start()
+        return True
+
+    def wait(self) -> None:
+        """Block until the async save in flight (if any) has finished; raise its stop error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _tmp_dir(self, step: int) -> Path:
+        name = f"{TMP_PREFIX}{checkpoint_dir_name(step)}-{self._host}-{os.getpid()}"
+        return self.run_dir.checkpoints_dir / name
+
+    def _write(self, step: int, state: dict[str, Any]) -> bool:
+        started = time.perf_counter()
+        final = self.run_dir.checkpoint_path(step)
+        tmp = self._tmp_dir(step)
+        try:
+            existing = verify_checkpoint(final) if final.exists() else None
+            if existing is not None and existing.valid:
+                # A SIGTERM save right after an interval save: the same step is already durable.
+                log.info("checkpoint: %s already exists, not written again", final)
+                self.last_saved_step = step
+                return True
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            self.phase_hook("tmp-created")
+            _save_file(state["model"], tmp / MODEL_FILE)
+            self.phase_hook(f"written:{MODEL_FILE}")
+            _save_file(state.get("optimizer"), tmp / OPTIMIZER_FILE)
+            rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+            _save_file(rest, tmp / TRAINER_STATE_FILE)
+            self.phase_hook("files-written")
+            meta = {
+                "progress": _json_safe(state.get("progress")),
+                "version": _json_safe(state.get("version")),
+                "world_size": self.world_size,
+            }
+            manifest = write_manifest(tmp, step, meta)
+            _fsync_dir(tmp)
+            self.phase_hook("manifest-written")
+            if existing is not None:
+                self._set_aside_invalid(existing)
+            os.rename(tmp, final)
+            self.phase_hook("renamed")
+            _fsync_dir(final.parent)
+        except Exception as exc:  # any failure must leave training running
+            return self._failed(step, exc, tmp)
+        self.saves += 1
+        self.last_saved_step = step
+        self.last_save_seconds = time.perf_counter() - started
+        size = sum(entry["size"] for entry in manifest["files"].values())
+        log.info(
+            "checkpoint: saved %s (%.1f MB in %.2f s)", final, size / 1e6, self.last_save_seconds
+        )
+        # A full disk must not turn a checkpoint that is safely saved into a crash.
+        with contextlib.suppress(OSError):
+            self.run_dir.append_event(
+                "checkpoint", step=step, path=str(final), bytes=size, seconds=self.last_save_seconds
+            )
+        self.phase_hook("done")
+        self._prune(keep_step=step)
+        return True
+
+    def _failed(self, step: int, exc: BaseException, tmp: Path | None) -> bool:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.failures += 1
+        message = (
+            f"checkpoint {checkpoint_dir_name(step)} not saved: {_first_line(exc)}; "
+            f"earlier checkpoints in {self.run_dir.checkpoints_dir} are untouched"
+        )
+        log.error("error: %s", message)
+        with contextlib.suppress(OSError):  # the same full disk; the log line is the record
+            self.run_dir.append_event("checkpoint_failed", step=step, error=_first_line(exc))
+        if self.cfg.on_error == "stop":
+            error = CheckpointError(f"{message} (checkpoint.on_error=stop)")
+            if threading.current_thread() is self._thread:
+                self._pending_error = error
+            else:
+                raise error
+        return False
+
+    def _check_free_space(self, step: int, state: dict[str, Any]) -> None:
+        needed = state_nbytes(state) + SIZE_SLACK_BYTES + self.cfg.min_free_bytes
+        free = shutil.disk_usage(self.run_dir.checkpoints_dir).free
+        if free < needed:
+            raise OSError(
+                28,
+                f"needs about {_mib(needed)} free, {_mib(free)} available "
+                f"(free space or lower checkpoint.keep_last)",
+                str(self.run_dir.checkpoints_dir),
+            )
+
+    def _set_aside_invalid(self, info: CheckpointInfo) -> None:
+        """Move an invalid checkpoint at the step being saved out of the way, kept for inspection."""
+        aside = info.path.with_name(f".invalid-{info.path.name}-{int(time.time())}")
+        log.warning(
+            "checkpoint: %s is invalid (%s); moved to %s, delete it when inspected",
+            info.path,
+            info.reason,
+            aside.name,
+        )
+        os.rename(info.path, aside)
+
+    def _remove_stale_temp_dirs(self) -> None:
+        """Delete temp dirs of crashed saves on this host (dead pid); never a step-* directory."""
+        for path in self.run_dir.checkpoints_dir.glob(f"{TMP_PREFIX}*-{self._host}-*"):
+            pid_text = path.name.rsplit("-", 1)[-1]
+            if not pid_text.isdigit() or not path.is_dir():
+                continue
+            pid = int(pid_text)
+            if pid == os.getpid() or not _pid_alive(pid):
+                log.info("checkpoint: removing %s left by an interrupted save", path.name)
+                shutil.rmtree(path, ignore_errors=True)
+
+    # retention ---------------------------------------------------------------------------------
+    def retained(self, infos: list[CheckpointInfo], keep_step: int | None = None) -> set[int]:
+        """Steps to keep: the newest `keep_last` valid ones, milestones, `keep_step`, all invalid."""
+        valid = [info.step for info in infos if info.valid]
+        if self.cfg.keep_last == 0:
+            return {info.step for info in infos}
+        keep = set(valid[-self.cfg.keep_last :])
+        if self.cfg.keep_every:
+            keep |= {s for s in valid if s % self.cfg.keep_every == 0}
+        if keep_step is not None:
+            keep.add(keep_step)
+        keep |= {info.step for info in infos if not info.valid}
+        return keep
+
+    def _prune(self, keep_step: int | None = None) -> None:
+        try:
+            infos = self.run_dir.checkpoints()
+        except OSError as exc:
+            log.warning("checkpoint: retention skipped: %s", _first_line(exc))
+            return
+        keep = self.retained(infos, keep_step)
+        for info in infos:
+            if info.step in keep:
+                continue
+            # Rename first so that a crash mid-delete leaves a temp dir, never a half step-* dir.
+            doomed = info.path.with_name(
+                f"{TMP_PREFIX}delete-{info.path.name}-{self._host}-{os.getpid()}"
+            )
+            try:
+                os.rename(info.path, doomed)
+                shutil.rmtree(doomed)
+                log.info("checkpoint: removed %s (retention)", info.path.name)
+            except OSError as exc:
+                log.warning("checkpoint: could not remove %s: %s", info.path, _first_line(exc))
+
+    # loading -----------------------------------------------------------------------------------
+    def load(self) -> dict[str, Any] | None:
+        """The state of the checkpoint chosen by `cfg.resume` on CPU, or None to start fresh."""
+        resume = self.cfg.resume.strip()
+        if resume == "never":
+            return None
+        full = self.cfg.verify == "full"
+        if resume != "auto":
+            path = self._resume_path(resume)
+            info = verify_checkpoint(path, full=full)
+            if not info.valid:
+                raise ConfigError(
+                    f"checkpoint.resume={resume} is not a usable checkpoint: {info.reason}; "
+                    "pick another with `python -m trainer checkpoints RUN_DIR`"
+                )
+            state = self._read(path)
+            self._warn_newer(info.step)
+            return state
+        for listed in reversed(self.run_dir.checkpoints()):
+            info = verify_checkpoint(listed.path, full=True) if full and listed.valid else listed
+            if not info.valid:
+                self._warn(f"checkpoint: skipping {info.path}: {info.reason}")
+                continue
+            try:
+                return self._read(info.path)
+            except Exception as exc:  # a corrupt file must not stop the resume
+                self._warn(f"checkpoint: skipping {info.path}: unreadable ({_first_line(exc)})")
+        return None
+
+    def _resume_path(self, resume: str) -> Path:
+        path = Path(resume)
+        if not path.exists() and (self.run_dir.checkpoints_dir / resume).exists():
+            path = self.run_dir.checkpoints_dir / resume
+        if not path.is_dir() or not CHECKPOINT_DIR_RE.match(path.name):
+            raise ConfigError(
+                f"checkpoint.resume={resume} is not a checkpoint directory (step-XXXXXXXX); "
+                "use auto, never or a path like RUN_DIR/checkpoints/step-00001000"
+            )
+        return path
+
+    def _read(self, path: Path) -> dict[str, Any]:
+        model = torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True)
+        optimizer = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        # Written by this module; holds Python and numpy RNG state objects that the weights-only
+        # unpickler rejects.
+        rest = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
+        self.loaded_path = path
+        if self.rank == 0:
+            log.info("checkpoint: resuming from %s", path)
+        return {"model": model, "optimizer": optimizer, **rest}
+
+    def _warn_newer(self, step: int) -> None:
+        newer = [i.path.name for i in self.run_dir.checkpoints() if i.valid and i.step > step]
+        if newer:
+            self._warn(
+                f"checkpoint: resuming from step {step} although newer checkpoints exist "
+                f"({', '.join(newer)}); a later resume=auto would pick those"
+            )
+
+    def _warn(self, message: str) -> None:
+        if self.rank == 0:
+            log.warning("%s", message)

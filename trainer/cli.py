@@ -1,0 +1,143 @@
+"""`rlm-train` / `python -m trainer`: prepare data, train, list checkpoints, export, generate.
+
+Heavy imports (torch) happen inside the commands that need them: `checkpoints` stays torch-free so
+that it answers in a fraction of a second on a login node.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trainer.errors import UserError
+from trainer.rundir import RunDir
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Trainer for depth-recurrent language models (docs/trainer.md).",
+)
+
+
+@app.command()
+def prepare(
+    out: Annotated[Path, typer.Option(help="Directory to write the prepared dataset to.")],
+    inputs: Annotated[
+        list[Path] | None,
+        typer.Argument(help=".txt/.jsonl files or directories; none: the embedded corpus."),
+    ] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per training sample.")] = 128,
+    vocab_size: Annotated[int, typer.Option(help="BPE vocabulary size to train.")] = 4096,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="Reuse this tokenizer.json instead of training one.")
+    ] = None,
+    min_freq: Annotated[int, typer.Option(help="Merge only pairs seen this often.")] = 2,
+    shard_bytes: Annotated[int, typer.Option(help="Uncompressed bytes per shard.")] = 64 << 20,
+    zstd: Annotated[bool, typer.Option(help="Compress shards with zstd.")] = False,
+) -> None:
+    """Turn raw text into tokenized, packed shards (see docs/data.md)."""
+    from trainer.data import prepare as prepare_data
+
+    metadata = prepare_data(
+        out,
+        inputs or (),
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer,
+        min_freq=min_freq,
+        shard_bytes=shard_bytes,
+        zstd=zstd,
+    )
+    splits = ", ".join(f"{name} {s['samples']}" for name, s in metadata["splits"].items())
+    typer.echo(
+        f"prepared {out}: vocab {metadata['vocab_size']}, seq_len {metadata['seq_len']}, "
+        f"samples: {splits}"
+    )
+
+
+@app.command(context_settings={"ignore_unknown_options": True})
+def train(
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="key=value overrides, e.g. train.steps=20")
+    ] = None,
+) -> None:
+    """Train (single process, or one worker of torchrun)."""
+    from trainer.config import load_config
+    from trainer.train import train as run_training
+
+    cfg = load_config(config, overrides or [])
+    raise typer.Exit(int(run_training(cfg)))
+
+
+@app.command()
+def checkpoints(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+    verify: Annotated[
+        str, typer.Option(help="size: compare file sizes; full: also sha256 digests.")
+    ] = "size",
+) -> None:
+    """List a run's checkpoints with their verification result."""
+    if verify not in ("size", "full"):
+        raise UserError(f"--verify must be size or full, got {verify!r}")
+    run = RunDir(run_dir)
+    if not run.path.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist")
+    infos = run.checkpoints(full=verify == "full")
+    if not infos:
+        typer.echo(f"no checkpoints in {run.checkpoints_dir}")
+        return
+    typer.echo(f"{'step':>10}  {'valid':5}  {'size':>10}  {'age':>8}  status")
+    for info in infos:
+        age = _age(info.age_seconds)
+        size = f"{info.size_bytes / 1e6:.1f} MB" if info.valid else "-"
+        status = "ok" if info.valid else info.reason
+        typer.echo(
+            f"{info.step:>10}  {'yes' if info.valid else 'NO':5}  {size:>10}  {age:>8}  {status}"
+        )
+    if not any(info.valid for info in infos):
+        raise typer.Exit(1)
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (step-XXXXXXXX).")],
+    out: Annotated[Path, typer.Argument(help="New directory for safetensors + config.")],
+) -> None:
+    """Export a checkpoint's weights as safetensors with config and tokenizer."""
+    from trainer.export import export_checkpoint
+
+    typer.echo(f"exported to {export_checkpoint(checkpoint, out)}")
+
+
+@app.command()
+def generate(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint or export directory.")],
+    prompt: Annotated[str, typer.Option(help="Text to continue.")],
+    depth: Annotated[int, typer.Option(help="Recurrence depth r.")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+) -> None:
+    """Continue a prompt at a chosen recurrence depth."""
+    from trainer.export import generate_text
+
+    typer.echo(generate_text(checkpoint, prompt, depth, max_new_tokens))
+
+
+def main() -> None:
+    """Entry point: user errors become one `error: ...` line and their exit code."""
+    try:
+        app(prog_name="rlm-train")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(int(exc.exit_code))

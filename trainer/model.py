@@ -1,0 +1,362 @@
+"""The depth-recurrent language model (Huginn-style): prelude → core looped r times → coda.
+
+    tokens ─► embedding·√d ─► prelude (P blocks) ─► e
+    s₀ ~ truncated normal, fresh each forward
+    repeat r times:  s = core(adapter(concat(s, e)))          (C blocks per iteration)
+    RMSNorm(s) ─► coda (K blocks) ─► RMSNorm ─► logits = x · embeddingᵀ (tied head)
+
+Only the last min(k, r) core iterations are differentiated (truncated backprop through depth);
+the earlier ones run under `torch.no_grad()`. The depth r is drawn per optimizer step by
+`sample_recurrence`, identically on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer.errors import ConfigError
+
+# Annotations are strings under `from __future__ import annotations`; bool is checked apart
+# because isinstance(True, int) holds.
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_heads: int
+    mlp_hidden: int
+    n_prelude: int
+    n_core: int
+    n_coda: int
+    max_seq_len: int
+    rope_base: float = 50000.0
+    mean_recurrence: int = 32
+    recurrence_sigma: float = 0.5
+    backprop_depth: int = 8
+    norm_eps: float = 1e-6
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def effective_depth(self) -> int:
+        """Blocks executed per token at the mean depth; scales the output-projection init."""
+        return self.n_prelude + self.n_coda + self.n_core * self.mean_recurrence
+
+    def validate(self) -> None:
+        """Raise ConfigError with one line naming the first invalid field."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            wanted = _FIELD_TYPES[f.type]
+            if isinstance(value, bool) is not (f.type == "bool") or not isinstance(value, wanted):
+                raise ConfigError(f"model.{f.name} must be {f.type}, got {value!r}")
+        positive = ("vocab_size", "d_model", "n_heads", "mlp_hidden", "n_core", "max_seq_len")
+        positive += ("mean_recurrence", "rope_base", "norm_eps")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("n_prelude", "n_coda", "backprop_depth", "recurrence_sigma"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE; "
+                "change model.d_model or model.n_heads"
+            )
+
+
+# fmt: off
+PRESETS: dict[str, ModelConfig] = {
+    # CPU unit tests: a forward+backward takes milliseconds.
+    "tiny": ModelConfig(
+        vocab_size=4096, d_model=64, n_heads=4, mlp_hidden=176, n_prelude=1, n_core=2, n_coda=1,
+        max_seq_len=128, mean_recurrence=4, backprop_depth=2,
+    ),
+    # CPU benchmark and demo runs.
+    "small": ModelConfig(
+        vocab_size=4096, d_model=256, n_heads=8, mlp_hidden=704, n_prelude=2, n_core=2, n_coda=2,
+        max_seq_len=256, mean_recurrence=4, backprop_depth=4,
+    ),
+    # ≈1.0 B parameters: a single-node smoke test of the real pipeline.
+    "1b": ModelConfig(
+        vocab_size=65536, d_model=2560, n_heads=20, mlp_hidden=6912, n_prelude=2, n_core=6,
+        n_coda=2, max_seq_len=4096, mean_recurrence=32, backprop_depth=8,
+    ),
+    # The published Huginn-3.5B shape.
+    "huginn-3.5b": ModelConfig(
+        vocab_size=65536, d_model=5280, n_heads=55, mlp_hidden=17920, n_prelude=2, n_core=4,
+        n_coda=2, max_seq_len=4096, mean_recurrence=32, backprop_depth=8,
+    ),
+}
+# fmt: on
+
+
+def model_config(preset: str, **overrides: object) -> ModelConfig:
+    """A preset with some fields replaced; unknown presets or fields raise ConfigError."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+    names = [f.name for f in fields(ModelConfig)]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown model field(s) {', '.join(unknown)}; valid: {', '.join(names)}")
+    return replace(PRESETS[preset], **overrides)
+
+
+def sample_recurrence(seed: int, step: int, mean: float, sigma: float = 0.5) -> int:
+    """Depth r for one optimizer step: λ ~ LogNormal(ln(mean) − σ²/2, σ), r = Poisson(λ) + 1.
+
+    E[λ] = mean, so E[r] = mean + 1. The draw depends only on (seed, step), never on global RNG
+    state: every rank gets the same r and a resumed run replays the same depths.
+    """
+    rng = np.random.default_rng([seed, step])
+    lam = rng.lognormal(math.log(mean) - sigma**2 / 2, sigma)
+    return int(rng.poisson(lam)) + 1
+
+
+def rope_cache(head_dim: int, seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim) for rotate-half RoPE."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, ..., D); cos/sin: (T, D)."""
+    shape = (x.shape[1],) + (1,) * (x.dim() - 3) + (x.shape[-1],)
+    cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 even under bf16 autocast: a mean of bf16 squares loses precision.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim)
+        q, k = apply_rope(qkv[:, :, :2], cos, sin).unbind(2)  # q and k rotated in one pass
+        v = qkv[:, :, 2]
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.mlp_hidden, bias=False)
+        self.proj = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Sandwich-norm block: x = n2(attn(n1(x)) + x); x = n4(mlp(n3(x)) + x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n1, self.n2, self.n3, self.n4 = (RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(4))
+        self.attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.n2(self.attn(self.n1(x), cos, sin) + x)
+        return self.n4(self.mlp(self.n3(x)) + x)
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor
+    loss: torch.Tensor | None
+    num_steps: int
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int  # tied with the head, counted once
+    prelude: int
+    adapter: int
+    core: int
+    coda: int
+    norm: int  # the two final RMSNorms outside the blocks
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.non_embedding
+
+    @property
+    def non_embedding(self) -> int:
+        return self.prelude + self.adapter + self.core + self.coda + self.norm
+
+
+class RecurrentLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.embedding = nn.Embedding(cfg.vocab_size, d)
+        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
+        self.adapter = nn.Linear(2 * d, d, bias=False)
+        self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
+        self.core_norm = RMSNorm(d, cfg.norm_eps)
+        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        self.final_norm = RMSNorm(d, cfg.norm_eps)
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), False)
+        self.init_weights()
+        if cfg.compile:
+            for block in (*self.prelude, *self.core, *self.coda):
+                block.compile()
+
+    @property
+    def init_std(self) -> float:
+        return math.sqrt(2 / (5 * self.cfg.d_model))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise parameters and RoPE tables, e.g. after `to_empty()` from meta."""
+        std = self.init_std
+        out_std = std / math.sqrt(2 * self.cfg.effective_depth)
+        for name, p in self.named_parameters():
+            if name.endswith(("n1.weight", "n2.weight", "n3.weight", "n4.weight", "norm.weight")):
+                p.fill_(1.0)
+            else:
+                s = out_std if name.endswith("proj.weight") else std
+                nn.init.trunc_normal_(p, std=s, a=-3 * s, b=3 * s)
+        cos, sin = rope_cache(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_base)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def param_counts(self) -> ParamCounts:
+        """Parameter counts by group; works on the meta device (nothing is allocated)."""
+
+        def count(*modules: nn.Module) -> int:
+            return sum(p.numel() for m in modules for p in m.parameters())
+
+        return ParamCounts(
+            embedding=count(self.embedding),
+            prelude=count(self.prelude),
+            adapter=count(self.adapter),
+            core=count(self.core),
+            coda=count(self.coda),
+            norm=count(self.core_norm, self.final_norm),
+        )
+
+    def initial_state(
+        self, like: torch.Tensor, state_seeds: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """s₀ with the shape/device/dtype of `like`: truncated normal (±3σ) scaled by √d.
+
+        With `state_seeds`, sample i is drawn from its own generator seeded with state_seeds[i], so
+        a sample's forward does not depend on which batch or rank it lands in.
+        """
+        std = self.init_std
+        s = torch.empty(like.shape, device=like.device, dtype=torch.float32)
+        if state_seeds is None:
+            nn.init.trunc_normal_(s, std=std, a=-3 * std, b=3 * std)
+        else:
+            if len(state_seeds) != like.shape[0]:
+                raise ValueError(f"{len(state_seeds)} state_seeds for a batch of {like.shape[0]}")
+            for row, seed in zip(s, state_seeds, strict=True):
+                gen = torch.Generator(device=like.device).manual_seed(int(seed))
+                nn.init.trunc_normal_(row, std=std, a=-3 * std, b=3 * std, generator=gen)
+        return (s * math.sqrt(self.cfg.d_model)).to(like.dtype)
+
+    def core_step(self, s: torch.Tensor, e: torch.Tensor, t: int) -> torch.Tensor:
+        """One iteration of the recurrence: adapter(concat(s, e)) then the C core blocks."""
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        x = self.adapter(torch.cat((s, e), dim=-1))
+        for block in self.core:
+            x = block(x, cos, sin)
+        return x
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        num_steps: int | None = None,
+        backprop_depth: int | None = None,
+        state_seeds: Sequence[int] | None = None,
+    ) -> ModelOutput:
+        """input_ids, labels: (B, T) token ids; labels[b, t] is the target for position t
+        (already shifted by the caller, nanoGPT style); -100 is ignored in the loss.
+        num_steps defaults to cfg.mean_recurrence, backprop_depth to cfg.backprop_depth."""
+        cfg = self.cfg
+        r = cfg.mean_recurrence if num_steps is None else num_steps
+        k = cfg.backprop_depth if backprop_depth is None else backprop_depth
+        if r < 1 or k < 0:
+            raise ConfigError(
+                f"recurrence depth must be >= 1 and backprop depth >= 0, got {r}, {k}"
+            )
+        t = input_ids.shape[1]
+        if t > cfg.max_seq_len:
+            raise ConfigError(f"sequence length {t} exceeds model.max_seq_len={cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+
+        x = self.embedding(input_ids) * math.sqrt(cfg.d_model)
+        for block in self.prelude:
+            x = block(x, cos, sin)
+        e = x
+
+        s = self.initial_state(e, state_seeds)
+        with_grad = min(k, r)
+        with torch.no_grad():
+            for _ in range(r - with_grad):
+                s = self.core_step(s, e, t)
+        for _ in range(with_grad):
+            if cfg.activation_checkpointing and torch.is_grad_enabled():
+                s = checkpoint(self.core_step, s, e, t, use_reentrant=False)
+            else:
+                s = self.core_step(s, e, t)
+
+        x = self.core_norm(s)
+        for block in self.coda:
+            x = block(x, cos, sin)
+        logits = F.linear(self.final_norm(x), self.embedding.weight)
+
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100
+            )
+        return ModelOutput(logits=logits, loss=loss, num_steps=r)
