@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -172,23 +174,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class _ErrorKeepingWriter:
-    """A file wrapper that remembers the OSError of a failed write.
+class _HashingWriter:
+    """A file wrapper that computes the sha256 of what it writes and keeps the OSError of a failed
+    write (torch.save reports it as "RuntimeError: unexpected pos ..."; the operator needs
+    "No space left on device").
 
-    torch.save turns a failed write into "RuntimeError: unexpected pos ..."; the operator needs
-    the original "No space left on device".
+    Large chunks are hashed in a helper thread while the main one writes them (hashlib and file
+    writes both release the GIL), so the manifest costs no second pass over the data.
     """
 
-    def __init__(self, file: Any) -> None:
+    def __init__(self, file: Any, pool: ThreadPoolExecutor) -> None:
         self.file = file
+        self.pool = pool
+        self.sha256 = hashlib.sha256()
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
+        # torch may reuse `data`'s memory after we return: the hash must be done by then.
+        hashing = self.pool.submit(self.sha256.update, data)
         try:
             return self.file.write(data)
         except OSError as exc:
             self.error = exc
             raise
+        finally:
+            hashing.result()
 
     def flush(self) -> None:
         self.file.flush()
@@ -206,9 +216,10 @@ def _without_zip_crc32() -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
-def _save_file(obj: Any, path: Path) -> None:
+def _save_file(obj: Any, path: Path, pool: ThreadPoolExecutor) -> str:
+    """Write `obj` with torch.save, fsync it, and return its sha256."""
     with open(path, "wb") as f, _without_zip_crc32():
-        writer = _ErrorKeepingWriter(f)
+        writer = _HashingWriter(f, pool)
         try:
             torch.save(obj, writer)
         except RuntimeError as exc:
@@ -217,6 +228,7 @@ def _save_file(obj: Any, path: Path) -> None:
             raise
         f.flush()
         os.fsync(f.fileno())
+    return writer.sha256.hexdigest()
 
 
 def _mib(nbytes: int) -> str:
@@ -326,18 +338,21 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir()
             self.phase_hook("tmp-created")
-            _save_file(state["model"], tmp / MODEL_FILE)
-            self.phase_hook(f"written:{MODEL_FILE}")
-            _save_file(state.get("optimizer"), tmp / OPTIMIZER_FILE)
-            rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-            _save_file(rest, tmp / TRAINER_STATE_FILE)
+            digests = {}
+            with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") as pool:
+                digests[MODEL_FILE] = _save_file(state["model"], tmp / MODEL_FILE, pool)
+                self.phase_hook(f"written:{MODEL_FILE}")
+                optimizer = state.get("optimizer")
+                digests[OPTIMIZER_FILE] = _save_file(optimizer, tmp / OPTIMIZER_FILE, pool)
+                rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+                digests[TRAINER_STATE_FILE] = _save_file(rest, tmp / TRAINER_STATE_FILE, pool)
             self.phase_hook("files-written")
             meta = {
                 "progress": _json_safe(state.get("progress")),
                 "version": _json_safe(state.get("version")),
                 "world_size": self.world_size,
             }
-            manifest = write_manifest(tmp, step, meta)
+            manifest = write_manifest(tmp, step, meta, digests=digests)
             _fsync_dir(tmp)
             self.phase_hook("manifest-written")
             if existing is not None:

@@ -154,15 +154,25 @@ def verify_checkpoint(path: Path, full: bool = False) -> CheckpointInfo:
     return result(True, "ok", total)
 
 
-def write_manifest(path: Path, step: int, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Describe every file under a finished checkpoint directory; call after all files are synced."""
+def write_manifest(
+    path: Path,
+    step: int,
+    meta: dict[str, Any] | None = None,
+    digests: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Describe every file under a finished checkpoint directory; call after all files are synced.
+
+    `digests` maps file names to the sha256 their writer computed while writing; files without
+    one are read back and hashed here.
+    """
     path = Path(path)
     files = {}
     for file_path in sorted(p for p in path.rglob("*") if p.is_file()):
         name = file_path.relative_to(path).as_posix()
         if name == MANIFEST_NAME:
             continue
-        files[name] = {"size": file_path.stat().st_size, "sha256": sha256_file(file_path)}
+        digest = (digests or {}).get(name) or sha256_file(file_path)
+        files[name] = {"size": file_path.stat().st_size, "sha256": digest}
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": step,
