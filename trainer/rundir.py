@@ -14,6 +14,7 @@ Layout::
       checkpoints/step-00001000/        one directory per checkpoint; manifest.json written last
       hosts/<host>/launch.json          what rlmctl started on that host (pid, pgid, command)
       hosts/<host>/launcher.log         stdout+stderr of that host's torchrun
+      hosts/<host>/exit.json            {"exit_code", "time"} of that host's torchrun when it ended
 """
 
 from __future__ import annotations
@@ -225,6 +226,9 @@ class RunDir:
 
     def launcher_log_path(self, host: str) -> Path:
         return self.host_dir(host) / "launcher.log"
+
+    def exit_record_path(self, host: str) -> Path:
+        return self.host_dir(host) / "exit.json"
 
     def create(self) -> RunDir:
         for directory in (self.path, self.checkpoints_dir, self.path / "hosts"):

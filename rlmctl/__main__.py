@@ -1,0 +1,3 @@
+from rlmctl.cli import main
+
+main()

@@ -1,0 +1,603 @@
+"""`rlmctl`: operate depth-recurrent LM training runs on a cluster described by an Ansible inventory.
+
+Global options (-i, --limit, --exclude, --forks, --timeout) may stand before or after the command.
+Exit codes: 0 ok, 1 some hosts failed or a check is critical, 2 usage or input error. Heavy
+modules (ansible, fabric, torch) are imported inside the commands that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rlmctl.errors import RlmctlError
+
+app = typer.Typer(
+    name="rlmctl",
+    help="Operate depth-recurrent LM training runs on a cluster described by an Ansible inventory.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+STATE_STYLE = {"OK": "green", "WARN": "yellow", "CRIT": "bold red", "UNKNOWN": "magenta"}
+
+
+@dataclass
+class Session:
+    """What the global options select; the inventory and connections are made on first use."""
+
+    inventory_path: str
+    limit: str | None
+    exclude: str | None
+    forks: int
+    timeout: float
+    _inventory: Any = field(default=None, repr=False)
+
+    def inventory(self) -> Any:
+        if self._inventory is None:
+            from rlmctl import inventory
+
+            self._inventory = inventory.load(self.inventory_path)
+        return self._inventory
+
+    def hosts(self) -> list[Any]:
+        return self.inventory().select(self.limit, self.exclude)
+
+    def fleet(self, hosts: list[Any] | None = None) -> Any:
+        from rlmctl.remote import DEFAULT_CONNECT_TIMEOUT_S, Fleet
+
+        # A short --timeout also shortens the connect timeout: down hosts cost no more than that.
+        connect = max(1, min(DEFAULT_CONNECT_TIMEOUT_S, int(self.timeout)))
+        return Fleet(self.hosts() if hosts is None else hosts, self.forks, self.timeout, connect)
+
+    def registry(self) -> Any:
+        from rlmctl.launch import open_registry
+
+        return open_registry(self.hosts())
+
+
+def _session(ctx: typer.Context) -> Session:
+    return ctx.obj
+
+
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _say() -> Any:
+    """Progress lines: to stderr, so that --json keeps stdout machine-readable."""
+    console = _console(stderr=True)
+    return lambda message: console.print(message, markup=False, soft_wrap=True)
+
+
+def _emit_json(data: Any) -> None:
+    print(json.dumps(data, indent=1, default=str))
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    inventory: Annotated[
+        str,
+        typer.Option(
+            "-i",
+            "--inventory",
+            envvar="RLM_INVENTORY",
+            help="Ansible inventory (file or directory).",
+        ),
+    ] = "inventory/local",
+    limit: Annotated[
+        str | None, typer.Option("--limit", "-l", help="Ansible host pattern to act on.")
+    ] = None,
+    exclude: Annotated[
+        str | None, typer.Option("--exclude", help="Ansible host pattern to leave out.")
+    ] = None,
+    forks: Annotated[int, typer.Option(help="Hosts contacted in parallel.", min=1)] = 128,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds a remote command may take per host.", min=1)
+    ] = 60.0,
+) -> None:
+    ctx.obj = Session(inventory, limit, exclude, forks, timeout)
+
+
+# inventory / health -------------------------------------------------------------------------------
+@app.command("inventory")
+def inventory_cmd(ctx: typer.Context, json_output: JsonOpt = False) -> None:
+    """Show the selected hosts with their connection and bundle variables."""
+    session = _session(ctx)
+    hosts = session.hosts()
+    if json_output:
+        groups = session.inventory().groups
+        _emit_json(
+            {
+                "source": str(session.inventory().source),
+                "groups": groups,
+                "hosts": [h.as_dict() for h in hosts],
+            }
+        )
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(hosts)} host(s) from {session.inventory().source}")
+    for column in ("host", "address", "user", "connection", "groups", "gpus", "shared dir"):
+        table.add_column(column)
+    for h in hosts:
+        table.add_row(
+            h.name,
+            f"{h.address}:{h.port}",
+            h.user or "",
+            h.connection,
+            ",".join(h.groups),
+            f"{h.gpus_per_node} {h.gpu_vendor}",
+            h.shared_dir,
+        )
+    _console().print(table)
+
+
+@app.command()
+def health(
+    ctx: typer.Context,
+    deep: Annotated[
+        bool, typer.Option(help="Also run a real all-reduce across the hosts (slow).")
+    ] = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """The pre-launch gate: one round trip per host; exit 1 when a check is CRIT."""
+    from rlmctl import health as health_checks
+
+    session = _session(ctx)
+    hosts = session.hosts()
+    with session.fleet(hosts) as fleet:
+        report = health_checks.run_checks(fleet)
+        deep_result = None
+        if deep:
+            from rlmctl import deep as deep_checks
+
+            deep_result = deep_checks.run(fleet, [h for h in hosts if h.name in report.healthy])
+    if json_output:
+        _emit_json(report.as_dict() | ({"deep": deep_result.as_dict()} if deep_result else {}))
+    else:
+        _print_health(report)
+        if deep_result:
+            _console().print(deep_result.summary(), markup=False)
+    critical = report.state == "CRIT" or (deep_result is not None and not deep_result.ok)
+    raise typer.Exit(1 if critical else 0)
+
+
+def _print_health(report: Any) -> None:
+    """One row per host that needs attention (every host when the fleet is small), then the
+    detail and fix of each non-OK check."""
+    from rich.table import Table
+
+    console = _console()
+    shown = [h for h in report.hosts if h.state != "OK" or len(report.hosts) <= 20]
+    table = Table(title=f"health of {len(report.hosts)} host(s): {report.state}")
+    for column in ("host", "state", "round trip", "not OK"):
+        table.add_column(column)
+    for host in shown:
+        problems = ", ".join(f"{c.name} {c.state}" for c in host.checks if c.state != "OK")
+        style = STATE_STYLE[host.state]
+        table.add_row(host.host, f"[{style}]{host.state}[/]", f"{host.duration:.2f} s", problems)
+    console.print(table)
+    hidden = len(report.hosts) - len(shown)
+    if hidden:
+        console.print(f"{hidden} more host(s) OK", markup=False)
+    for host in report.hosts:
+        for check in host.checks:
+            if check.state != "OK":
+                fix = f" → {check.fix}" if check.fix else ""
+                line = f"{host.host}: {check.name} {check.state}: {check.detail}{fix}"
+                console.print(line, markup=False, soft_wrap=True)
+
+
+# launch / status / logs / stop ----------------------------------------------------------------------
+@app.command()
+def launch(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option("--config", "-c", help="Trainer config YAML.")],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Config overrides, key=value (e.g. train.steps=500).")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Run name (default: config stem + time).")
+    ] = None,
+    nodes: Annotated[int | None, typer.Option(help="Use only the first N healthy hosts.")] = None,
+    force: Annotated[bool, typer.Option(help="Launch even when the health gate fails.")] = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Gate, create the run directory, and start torchrun on every host (detached)."""
+    from rlmctl import launch as launching
+
+    session = _session(ctx)
+    hosts = session.hosts()
+    for text in overrides or []:
+        if "=" not in text:
+            raise RlmctlError(f"override {text!r} must look like key=value, e.g. train.steps=500")
+    with session.fleet(hosts) as fleet:
+        run_name, run, started = launching.launch(
+            fleet,
+            session.inventory(),
+            hosts,
+            config,
+            name,
+            nodes,
+            force,
+            overrides or [],
+            _say(),
+        )
+    if json_output:
+        _emit_json(
+            {
+                "run": run_name,
+                "run_dir": str(run.path),
+                "hosts": started.hosts,
+                "rdzv_endpoint": started.rdzv_endpoint,
+            }
+        )
+    else:
+        _console().print(
+            f"launched {run_name} on {len(started.hosts)} host(s); follow it with "
+            f"`rlmctl status {run_name}`, `rlmctl logs {run_name} -f` or `rlmctl watch {run_name}`",
+            markup=False,
+        )
+
+
+@app.command()
+def status(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
+    """Processes per host and progress from the run directory; exit 1 unless running or done."""
+    from rlmctl import launch as launching
+
+    session = _session(ctx)
+    with session.registry() as registry, session.fleet([]) as fleet:
+        info = launching.status(fleet, registry, session.inventory(), run)
+    if json_output:
+        _emit_json(info)
+    else:
+        _print_status(info)
+    raise typer.Exit(0 if info["state"] in ("running", "done", "stopped") else 1)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def _print_status(info: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console = _console()
+    table = Table(title=f"run {info['run']}: {info['state']}")
+    for column in ("host", "alive", "processes", "error"):
+        table.add_column(column)
+    for host, p in info["hosts"].items():
+        alive = {True: "[green]yes[/]", False: "[red]no[/]", None: "[magenta]?[/]"}[p["alive"]]
+        table.add_row(
+            host,
+            alive,
+            str(p["processes"] if p["processes"] is not None else "-"),
+            p["error"] or "",
+        )
+    console.print(table)
+    checkpoint = info["checkpoint"]
+    updated = time.time() - info["updated"] if info["updated"] else None
+    lines = [
+        f"step {info['step']}/{info['max_steps']}  loss {_fmt(info['loss'])}  "
+        f"tokens/s {_fmt(info['tokens_per_s'])}  updated {_age(updated)} ago",
+        f"last checkpoint: {checkpoint['path'] + ' (' + _age(checkpoint['age_s']) + ' old)' if checkpoint else 'none'}",
+        f"restarts: {info['restarts']}   run dir: {info['run_dir']}",
+    ]
+    for line in lines:
+        console.print(line, markup=False)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value if value is not None else "-")
+
+
+@app.command()
+def logs(
+    ctx: typer.Context,
+    run: str,
+    host: Annotated[str | None, typer.Option(help="Only this host's launcher log.")] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new lines.")
+    ] = False,
+    lines: Annotated[int, typer.Option("--lines", "-n", help="Lines of history per host.")] = 40,
+) -> None:
+    """Print the launcher logs (torchrun + trainer output) from the run directory."""
+    from rlmctl import logs as run_logs
+
+    session = _session(ctx)
+    with session.registry() as registry:
+        paths = run_logs.log_paths(registry, run, host)
+    run_logs.show(paths, lines, follow, sys.stdout)
+
+
+@app.command()
+def stop(
+    ctx: typer.Context,
+    run: str,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds between SIGTERM (checkpoint and exit) and SIGKILL.")
+    ] = 60.0,
+    json_output: JsonOpt = False,
+) -> None:
+    """Stop a run on every host; verifies that none of its processes remain."""
+    from rlmctl import launch as launching
+
+    session = _session(ctx)
+    with session.registry() as registry:
+        _, hosts = launching.run_hosts(session.inventory(), registry, run)
+        with session.fleet(hosts) as fleet:
+            outcome = launching.stop(fleet, registry, run, timeout)
+    if json_output:
+        _emit_json(outcome)
+    else:
+        console = _console()
+        for host, result in outcome.items():
+            if result["ok"]:
+                console.print(
+                    f"{host}: stopped ({result['found']} process(es), {result['killed']} needed SIGKILL)",
+                    markup=False,
+                )
+            else:
+                console.print(f"{host}: FAILED: {result['error']}", markup=False)
+    raise typer.Exit(0 if all(r["ok"] for r in outcome.values()) else 1)
+
+
+# resume / watch -----------------------------------------------------------------------------------
+@app.command()
+def resume(
+    ctx: typer.Context,
+    run: str,
+    force: Annotated[bool, typer.Option(help="Keep hosts that fail the gate.")] = False,
+) -> None:
+    """Relaunch a stopped or failed run from its newest verified checkpoint."""
+    from rlmctl import supervise
+
+    session = _session(ctx)
+    excluded = set()
+    if session.exclude:
+        excluded = {h.name for h in session.inventory().select(session.exclude)}
+    say = _say()
+    with session.registry() as registry, session.fleet([]) as fleet:
+        started = supervise.resume(fleet, session.inventory(), registry, run, excluded, say, force)
+    _console().print(
+        f"resumed {run} on {len(started.hosts)} host(s): {', '.join(started.hosts)}", markup=False
+    )
+
+
+@app.command()
+def watch(
+    ctx: typer.Context,
+    run: str,
+    poll: Annotated[float, typer.Option(help="Seconds between polls.")] = 5.0,
+    stall: Annotated[
+        float, typer.Option(help="Seconds without a new step that count as a hang.")
+    ] = 300.0,
+    restarts: Annotated[int, typer.Option(help="Restart budget.")] = 3,
+    backoff: Annotated[
+        float, typer.Option(help="Seconds before the first restart (doubles).")
+    ] = 10.0,
+) -> None:
+    """Supervise a run: fail fast on a dead process, lost host or hang; restart when it can help."""
+    from rlmctl import supervise
+
+    session = _session(ctx)
+    policy = supervise.WatchPolicy(
+        poll_s=poll, stall_s=stall, max_restarts=restarts, backoff_s=backoff
+    )
+    with session.registry() as registry, session.fleet([]) as fleet:
+        code = supervise.watch(fleet, session.inventory(), registry, run, policy, _say())
+    raise typer.Exit(code)
+
+
+# registry views -----------------------------------------------------------------------------------
+@app.command()
+def runs(ctx: typer.Context, json_output: JsonOpt = False) -> None:
+    """Runs in the registry, oldest first."""
+    session = _session(ctx)
+    with session.registry() as registry:
+        rows = registry.runs()
+        for row in rows:
+            row["hosts"] = [h["host"] for h in registry.hosts(row["name"])]
+            row["restarts"] = len(registry.restarts(row["name"]))
+            row.pop("config")
+    if json_output:
+        _emit_json(rows)
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(rows)} run(s)")
+    for column in ("run", "state", "hosts", "restarts", "created", "run dir"):
+        table.add_column(column)
+    for row in rows:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created"]))
+        table.add_row(
+            row["name"],
+            row["state"],
+            str(len(row["hosts"])),
+            str(row["restarts"]),
+            created,
+            row["run_dir"],
+        )
+    _console().print(table)
+
+
+@app.command()
+def checkpoints(
+    ctx: typer.Context,
+    run: str,
+    verify: Annotated[
+        bool, typer.Option(help="Also compare sha256 digests (reads every byte).")
+    ] = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """A run's checkpoints with their verification; exit 1 when one is invalid."""
+    from trainer.rundir import RunDir
+
+    session = _session(ctx)
+    with session.registry() as registry:
+        run_dir = RunDir(registry.run(run)["run_dir"])
+    infos = run_dir.checkpoints(full=verify)
+    rows = [
+        {
+            "step": i.step,
+            "path": str(i.path),
+            "valid": i.valid,
+            "reason": i.reason,
+            "size_bytes": i.size_bytes,
+            "age_s": round(i.age_seconds, 1),
+        }
+        for i in infos
+    ]
+    if json_output:
+        _emit_json(rows)
+    else:
+        from rich.table import Table
+
+        table = Table(
+            title=f"{len(rows)} checkpoint(s) of {run} ({'sha256' if verify else 'sizes'} checked)"
+        )
+        for column in ("step", "valid", "size", "age", "path / reason"):
+            table.add_column(column)
+        for row in rows:
+            table.add_row(
+                str(row["step"]),
+                "[green]yes[/]" if row["valid"] else "[red]no[/]",
+                f"{row['size_bytes'] / 2**20:.1f} MiB",
+                _age(row["age_s"]),
+                row["path"] if row["valid"] else row["reason"],
+            )
+        _console().print(table)
+    raise typer.Exit(0 if all(r["valid"] for r in rows) else 1)
+
+
+# plan / slurm / demo ------------------------------------------------------------------------------
+@app.command()
+def plan(
+    model: Annotated[
+        str | None, typer.Option(help="Model preset (tiny, small, 1b, huginn-3.5b).")
+    ] = None,
+    params: Annotated[
+        float | None, typer.Option(help="Parameter count instead of a preset, e.g. 3.5e9.")
+    ] = None,
+    gpu_mem: Annotated[float, typer.Option("--gpu-mem", help="GiB of memory per GPU.")] = 80.0,
+    seq_len: Annotated[
+        int | None, typer.Option(help="Sequence length (default: the preset's).")
+    ] = None,
+    micro_batch: Annotated[int, typer.Option(help="Sequences per GPU per forward.")] = 1,
+    json_output: JsonOpt = False,
+) -> None:
+    """Memory per GPU (weights, grads, optimizer, activations) → minimum GPUs, micro-batch."""
+    from rlmctl import plan as planning
+
+    estimate = planning.estimate(model, params, gpu_mem, seq_len, micro_batch)
+    if json_output:
+        _emit_json(estimate)
+    else:
+        for line in planning.describe(estimate):
+            _console().print(line, markup=False)
+
+
+@app.command()
+def slurm(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option("--config", "-c", help="Trainer config YAML.")],
+    nodes: Annotated[int, typer.Option(help="Nodes to allocate.")] = 2,
+    gpus_per_node: Annotated[int | None, typer.Option(help="Default: rlm_gpus_per_node.")] = None,
+    partition: Annotated[str | None, typer.Option(help="Slurm partition.")] = None,
+    time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit.")] = "24:00:00",
+    name: Annotated[str | None, typer.Option(help="Run name (default: config stem).")] = None,
+) -> None:
+    """Print an sbatch script (srun + torchrun) for sites that schedule with Slurm."""
+    from rlmctl import slurm as slurm_script
+
+    session = _session(ctx)
+    host = session.hosts()[0]
+    print(
+        slurm_script.render(
+            config=config,
+            name=name or config.stem,
+            nodes=nodes,
+            gpus_per_node=gpus_per_node or host.gpus_per_node,
+            partition=partition,
+            time_limit=time_limit,
+            host=host,
+        ),
+        end="",
+    )
+
+
+@app.command()
+def demo(
+    ctx: typer.Context,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 300,
+) -> None:
+    """The whole flow on this machine: prepare data, gate, launch 2 CPU workers, stop, report."""
+    from rlmctl import demo as demo_flow
+
+    raise typer.Exit(demo_flow.run(_session(ctx), steps))
+
+
+# entry point --------------------------------------------------------------------------------------
+GLOBAL_OPTIONS = {
+    "-i": True,
+    "--inventory": True,
+    "-l": True,
+    "--limit": True,
+    "--exclude": True,
+    "--forks": True,
+    "--timeout": True,
+}
+
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """Move global options written after the command in front of it (`rlmctl health --limit x`),
+    unless the command has an option of that name itself (`stop --timeout`)."""
+    group = typer.main.get_command(app)
+    command_index = next((i for i, word in enumerate(argv) if word in group.commands), None)  # type: ignore[attr-defined]
+    if command_index is None:
+        return argv
+    command = group.commands[argv[command_index]]  # type: ignore[attr-defined]
+    own = {opt for p in command.params if p.param_type_name == "option" for opt in p.opts}
+    head, tail, moved = argv[:command_index], argv[command_index + 1 :], []
+    rest: list[str] = []
+    index = 0
+    while index < len(tail):
+        word = tail[index]
+        key = word.split("=", 1)[0]
+        if key in GLOBAL_OPTIONS and key not in own:
+            takes_value = "=" not in word
+            moved += tail[index : index + (2 if takes_value else 1)]
+            index += 2 if takes_value else 1
+            continue
+        if word == "--":
+            rest += tail[index:]
+            break
+        rest.append(word)
+        index += 1
+    return [*head, *moved, argv[command_index], *rest]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
+    try:
+        # Standalone mode: Click prints usage errors itself and exits 2; our errors come here.
+        app(args=args, prog_name="rlmctl")
+    except RlmctlError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)

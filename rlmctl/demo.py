@@ -1,0 +1,139 @@
+"""`rlmctl demo` (`make demo`): the whole operator flow on this machine, in a few minutes.
+
+It takes the same code path as a real cluster (inventory → health gate → run directory → detached
+torchrun through the host's connection, here ansible_connection=local) with the tiny model, two
+CPU workers and the embedded corpus, then shows what an operator looks at afterwards.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlmctl import launch
+from rlmctl.errors import RlmctlError
+from trainer.rundir import RunDir
+
+CONFIG = Path(__file__).resolve().parents[1] / "trainer" / "configs" / "demo.yaml"
+POLL_S = 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepare_data(shared_dir: Path, say: Any) -> Path:
+    data = shared_dir / "data"
+    say(f"preparing the embedded corpus into {data} (python -m trainer prepare)")
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "prepare", "--out", str(data), "--seq-len", "64"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        raise RlmctlError(f"data preparation failed: {lines[-1] if lines else done.returncode}")
+    return data
+
+
+def run(session: Any, steps: int) -> int:
+    """The demo; returns the exit code."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(highlight=False)
+
+    def say(message: str) -> None:
+        console.print(message, markup=False, soft_wrap=True)
+
+    hosts = session.hosts()
+    if not CONFIG.is_file():
+        raise RlmctlError(f"{CONFIG} is missing; the demo needs the trainer's demo config")
+    shared = Path(hosts[0].shared_dir)
+    shared.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(shared, say)
+    port = _free_port()
+    name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    overrides = [f"data.path={data}", f"train.steps={steps}", f"metrics.port={port}"]
+    with session.fleet(hosts) as fleet, session.registry() as registry:
+        name, run_dir, _ = launch.launch(
+            fleet, session.inventory(), hosts, CONFIG, name, None, False, overrides, say
+        )
+        say(f"metrics: http://localhost:{port}/metrics (while it runs)")
+        say(f"logs:    {run_dir.launcher_log_path(hosts[0].name)}  (rlmctl logs {name} -f)")
+        try:
+            state = _follow(fleet, registry, session, name, run_dir, steps, Progress, console)
+        except KeyboardInterrupt:
+            say("interrupted: stopping the run (the trainer saves a checkpoint first)")
+            launch.stop(fleet, registry, name, timeout=30)
+            return 130
+        registry.set_state(name, state, "demo finished")
+    _report(run_dir, name, state, console)
+    return 0 if state == "done" else 1
+
+
+def _follow(fleet, registry, session, name, run_dir, steps, progress_cls, console) -> str:
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("training"),
+        BarColumn(),
+        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        TextColumn("{task.fields[detail]}"),
+        TimeElapsedColumn(),
+    )
+    with progress_cls(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("train", total=steps, detail="starting torchrun")
+        while True:
+            status = run_dir.read_status()
+            step = status.get("step") or 0
+            detail = ""
+            if status.get("loss") is not None:
+                detail = f"loss {status['loss']:.3f}  {status.get('tokens_per_s') or 0:,.0f} tok/s"
+            progress.update(task, completed=step, detail=detail or "starting torchrun")
+            if status.get("state") in ("done", "failed", "stopped"):
+                return status["state"]
+            alive = launch.processes(fleet, registry, name, run_dir, fleet.hosts)
+            if not any(p["alive"] for p in alive.values()):
+                status = run_dir.read_status()
+                return (
+                    status.get("state") if status.get("state") in ("done", "stopped") else "failed"
+                )
+            time.sleep(POLL_S)  # display refresh
+
+
+def _report(run_dir: RunDir, name: str, state: str, console: Any) -> None:
+    from rich.table import Table
+
+    def say(message: str) -> None:
+        console.print(message, markup=False, soft_wrap=True)
+
+    say(f"run {name}: {state}")
+    validation = [r for r in run_dir.read_metrics() if r.get("kind") == "val"]
+    if validation:
+        last = validation[-1]
+        table = Table(title=f"validation perplexity at step {last['step']}")
+        table.add_column("recurrence depth")
+        table.add_column("perplexity")
+        for depth, value in sorted(last["perplexity"].items(), key=lambda kv: int(kv[0])):
+            table.add_row(depth, f"{value:.1f}")
+        console.print(table)
+    checkpoints = Table(title="checkpoints")
+    for column in ("step", "valid", "size", "directory"):
+        checkpoints.add_column(column)
+    for info in run_dir.checkpoints():
+        valid = "yes" if info.valid else f"no: {info.reason}"
+        size = f"{info.size_bytes / 2**20:.1f} MiB"
+        checkpoints.add_row(str(info.step), valid, size, info.path.name)
+    console.print(checkpoints)
+    say(f"run directory: {run_dir.path} (checkpoints under checkpoints/)")
+    say(f"next: rlmctl status {name} | rlmctl logs {name} | rlmctl checkpoints {name} --verify")
+    if state != "done":
+        say(f"the run did not finish; see rlmctl logs {name}")

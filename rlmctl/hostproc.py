@@ -1,0 +1,154 @@
+"""Start, inspect and stop a run's processes ON a host; shipped by rlmctl inside the command line.
+
+Standard library only, Python 3.8-compatible, no rlmctl imports. Argument: one base64-encoded JSON
+object (base64 so that no process's command line contains the run's path except the run's own).
+
+A run's processes on a host are found by their environment: rlmctl starts the launcher with
+RLMCTL_RUN=<run dir> and RLMCTL_HOST=<inventory name>, which every child inherits, including
+torchrun's workers that sit in sessions of their own and would be orphaned by killing torchrun
+alone. The process group recorded at start is a second handle on the same processes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+# The launcher shell survives SIGTERM (`trap :`) so that it can record torchrun's exit code.
+WRAPPER = r"""
+"$@" &
+child=$!
+trap : TERM INT HUP
+while :; do
+  wait "$child"; rc=$?
+  kill -0 "$child" 2>/dev/null || break
+done
+printf '{"exit_code": %d, "time": %s}\n' "$rc" "$(date +%s)" > "$RLMCTL_EXIT_FILE.tmp"
+mv "$RLMCTL_EXIT_FILE.tmp" "$RLMCTL_EXIT_FILE"
+exit "$rc"
+"""
+
+
+def read_proc(pid):
+    """(ppid, pgid, state, environ bytes) or None when the process is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[1]), int(fields[2]), fields[0], environ
+
+
+def ancestors():
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            break
+        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+    return pids
+
+
+def run_processes(cfg):
+    """Live (non-zombie) processes of the run on this host: [(pid, cmdline)]."""
+    wanted_run = ("RLMCTL_RUN=" + cfg["run_dir"]).encode()
+    wanted_host = ("RLMCTL_HOST=" + cfg["host"]).encode()
+    pgid = cfg.get("pgid")
+    mine = ancestors()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in mine:
+            continue
+        info = read_proc(int(entry))
+        if info is None or info[2] == "Z":
+            continue
+        variables = info[3].split(b"\0")
+        ours = wanted_run in variables and wanted_host in variables
+        if ours or (pgid and info[1] == pgid):
+            found.append(int(entry))
+    return [(pid, cmdline(pid)) for pid in found]
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return ""
+
+
+def signal_all(pids, sig):
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def start(cfg):
+    os.makedirs(os.path.dirname(cfg["log"]), exist_ok=True)
+    env = dict(os.environ)
+    env.update(cfg["env"])
+    env["RLMCTL_EXIT_FILE"] = cfg["exit_file"]
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(cfg["exit_file"])
+    with open(cfg["log"], "ab") as log, open(os.devnull, "rb") as devnull:
+        process = subprocess.Popen(
+            ["/bin/sh", "-c", WRAPPER, "rlmctl-launcher", *cfg["argv"]],
+            stdin=devnull,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cfg["cwd"],
+            env=env,
+            start_new_session=True,  # own session and process group: survives the SSH session
+        )
+    return {"pid": process.pid, "pgid": os.getpgid(process.pid), "started": time.time()}
+
+
+def status(cfg):
+    """The run is alive on this host while its launcher shell is: it outlives torchrun only
+    long enough to record the exit code, so orphaned workers never count as a live run."""
+    processes = run_processes(cfg)
+    launcher = cfg.get("pid")
+    alive = any(pid == launcher for pid, _ in processes) if launcher else bool(processes)
+    return {"alive": alive, "processes": processes}
+
+
+def stop(cfg):
+    """SIGTERM, wait up to the timeout for a clean exit, then SIGKILL whatever is left."""
+    before = run_processes(cfg)
+    signal_all([pid for pid, _ in before], signal.SIGTERM)
+    deadline = time.time() + cfg["timeout"]
+    remaining = run_processes(cfg)
+    while remaining and time.time() < deadline:
+        time.sleep(0.2)
+        remaining = run_processes(cfg)
+    killed = []
+    if remaining:
+        killed = remaining
+        signal_all([pid for pid, _ in remaining], signal.SIGKILL)
+        deadline = time.time() + 10
+        while remaining and time.time() < deadline:
+            time.sleep(0.1)
+            remaining = run_processes(cfg)
+    return {"found": len(before), "killed": killed, "remaining": remaining}
+
+
+def main(argv):
+    cfg = json.loads(base64.b64decode(argv[2]))
+    action = {"start": start, "status": status, "stop": stop}[argv[1]]
+    print(json.dumps(action(cfg)))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,279 @@
+"""The cluster as the Ansible inventory describes it, loaded through ansible-core's own API.
+
+Whatever `ansible-inventory -i SOURCE` accepts works here (YAML, INI, a directory with
+group_vars/ and host_vars/, inventory plugins), and host selection uses Ansible's pattern
+language, so `--limit`/`--exclude` mean what they mean to `ansible-playbook`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlmctl.errors import InventoryError
+
+DEFAULT_INVENTORY = "inventory/local"
+DEFAULT_RDZV_PORT = 29500
+# Hosts that train; `mgmt` and other groups are for Ansible only.
+TRAINING_GROUP = "compute"
+# Hosts out for maintenance: left out unless --limit names them.
+DRAINED_GROUP = "drained"
+GPU_VENDORS = ("nvidia", "amd", "none", "auto")
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    port: int
+    user: str | None
+    connection: str  # "ssh" or "local"
+    key_file: str | None
+    known_hosts_file: str | None
+    strict_host_key_checking: str  # "yes" (default), "accept-new" or "no"
+    groups: tuple[str, ...]
+    gpus_per_node: int
+    gpu_vendor: str  # "nvidia", "amd", "none" or "auto" (detected on the host)
+    shared_dir: str
+    venv: str | None
+    rdzv_port: int
+    comm_env: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    interpreter: str = "python3"  # ansible_python_interpreter: runs rlmctl's stdlib-only scripts
+    busbw_floor_gbps: float | None = None  # rlm_comm_busbw_floor_gbps; 0 = report, don't gate
+
+    @property
+    def is_local(self) -> bool:
+        return self.connection == "local"
+
+    @property
+    def python(self) -> str:
+        """The interpreter of the training environment on the host."""
+        if self.venv:
+            return f"{self.venv.rstrip('/')}/bin/python"
+        return sys.executable if self.is_local else "python3"
+
+    @property
+    def script_python(self) -> str:
+        """The interpreter for rlmctl's stdlib-only host scripts (health checks, processes)."""
+        return sys.executable if self.is_local else self.interpreter
+
+    @property
+    def runs_dir(self) -> Path:
+        return Path(self.shared_dir) / "runs"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "address": self.address,
+            "port": self.port,
+            "user": self.user,
+            "connection": self.connection,
+            "groups": list(self.groups),
+            "gpus_per_node": self.gpus_per_node,
+            "gpu_vendor": self.gpu_vendor,
+            "shared_dir": self.shared_dir,
+            "venv": self.venv,
+            "rdzv_port": self.rdzv_port,
+            "comm_env": self.comm_env,
+        }
+
+
+def ssh_options(common_args: str) -> dict[str, str]:
+    """`-o Key=Value` pairs of an ansible_ssh_common_args string, keys lower-cased like ssh does."""
+    options: dict[str, str] = {}
+    words = shlex.split(common_args or "")
+    for index, word in enumerate(words):
+        if word == "-o" and index + 1 < len(words):
+            option = words[index + 1]
+        elif word.startswith("-o") and len(word) > 2:
+            option = word[2:]
+        else:
+            continue
+        key, sep, value = option.partition("=")
+        if not sep:
+            key, _, value = option.partition(" ")
+        options[key.strip().lower()] = value.strip()
+    return options
+
+
+class Inventory:
+    """A loaded inventory: every host with its resolved connection and bundle variables."""
+
+    def __init__(self, source: Path, manager: Any, hosts: dict[str, Host]) -> None:
+        self.source = source
+        self._manager = manager
+        self.hosts = hosts
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        return {
+            name: sorted(h.name for h in group.get_hosts())
+            for name, group in sorted(self._manager.groups.items())
+            if name != "all" and (name != "ungrouped" or group.get_hosts())
+        }
+
+    def _match(self, pattern: str, option: str) -> list[str]:
+        from ansible.errors import AnsibleError
+
+        try:
+            with _quiet():
+                return [h.name for h in self._manager.get_hosts(pattern)]
+        except AnsibleError as error:
+            message = str(error).splitlines()[0].replace(", ignoring", "")
+            raise InventoryError(
+                f"{option} {pattern!r}: {message} in {self.source}; "
+                f"see the hosts with `rlmctl -i {self.source} inventory`"
+            ) from None
+
+    def select(self, limit: str | None = None, exclude: str | None = None) -> list[Host]:
+        """The hosts to act on, in inventory order.
+
+        Without --limit: the `compute` group when the inventory has one, else all hosts; hosts
+        in the `drained` group are left out.
+        """
+        default = TRAINING_GROUP if TRAINING_GROUP in self._manager.groups else "all"
+        if (
+            DRAINED_GROUP in self._manager.groups
+            and self._manager.groups[DRAINED_GROUP].get_hosts()
+        ):
+            default += f":!{DRAINED_GROUP}"
+        names = self._match(limit or default, "--limit")
+        if exclude:
+            excluded = set(self._match(exclude, "--exclude"))
+            names = [n for n in names if n not in excluded]
+        if not names:
+            raise InventoryError(
+                f"no hosts selected from {self.source} (limit={limit or default!r}, "
+                f"exclude={exclude!r}); widen --limit or drop --exclude"
+            )
+        return [self.hosts[n] for n in names]
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """Ansible prints warnings while it parses; we turn failures into one-line errors instead."""
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def _first_reason(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    detail = [line for line in lines if "caused by" not in line and "<<<" not in line]
+    return "; ".join(detail[-2:]) if detail else type(error).__name__
+
+
+def load(source: str | Path) -> Inventory:
+    """Parse an inventory source; a path that is missing or does not parse is an InventoryError."""
+    source = Path(source)
+    if not source.exists():
+        raise InventoryError(
+            f"inventory {source} does not exist; pass -i PATH or set RLM_INVENTORY "
+            f"(default {DEFAULT_INVENTORY})"
+        )
+    # Set before ansible is imported: its constants are read once at import time.
+    os.environ.setdefault("ANSIBLE_HOST_PATTERN_MISMATCH", "error")
+    os.environ.setdefault("ANSIBLE_INVENTORY_UNPARSED_FAILED", "true")
+    os.environ.setdefault("ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED", "true")
+    os.environ.setdefault("ANSIBLE_LOCALHOST_WARNING", "false")
+    from ansible.errors import AnsibleError
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.vars.manager import VariableManager
+
+    loader = DataLoader()
+    try:
+        with _quiet():
+            manager = InventoryManager(loader=loader, sources=[str(source)])
+            variables = VariableManager(loader=loader, inventory=manager)
+            hosts = {h.name: _host(h, variables, loader, source) for h in manager.get_hosts("all")}
+    except AnsibleError as error:
+        raise InventoryError(
+            f"cannot load inventory {source}: {_first_reason(error)}; "
+            f"check it with `ansible-inventory -i {source} --graph`"
+        ) from None
+    if not hosts:
+        raise InventoryError(f"inventory {source} has no hosts; add hosts or pass another -i")
+    return Inventory(source, manager, hosts)
+
+
+def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
+    from ansible.errors import AnsibleError
+    from ansible.template import Templar
+
+    hostvars = variables.get_vars(host=host, include_hostvars=False)
+    templar = Templar(loader=loader, variables=hostvars)
+
+    def var(name: str, default: Any = None) -> Any:
+        if name not in hostvars:
+            return default
+        try:
+            return templar.template(hostvars[name])
+        except AnsibleError as error:
+            raise InventoryError(
+                f"host {host.name}: variable {name} does not resolve ({_first_reason(error)}); "
+                f"fix it in {source}"
+            ) from None
+
+    def integer(name: str, default: int) -> int:
+        value = var(name, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise InventoryError(
+                f"host {host.name}: {name} must be an integer, got {value!r}; fix it in {source}"
+            ) from None
+
+    inventory_dir = Path(str(hostvars.get("inventory_dir") or source.parent))
+    options = ssh_options(str(var("ansible_ssh_common_args", "") or ""))
+    known_hosts = options.get("userknownhostsfile")
+    key_file = var("ansible_ssh_private_key_file") or var("ansible_private_key_file")
+    shared_dir = str(var("rlm_shared_dir", "/shared"))
+    comm_env = var("rlm_comm_env", {}) or {}
+    if not isinstance(comm_env, dict):
+        raise InventoryError(
+            f"host {host.name}: rlm_comm_env must be a mapping like {{NCCL_SOCKET_IFNAME: ib0}}, "
+            f"got {comm_env!r}; fix it in {source}"
+        )
+    # Kept only when literal: "{{ ansible_playbook_python }}" means nothing outside a playbook.
+    raw_interpreter = str(hostvars.get("ansible_python_interpreter") or "python3")
+    interpreter = "python3" if "{{" in raw_interpreter else raw_interpreter
+    vendor = str(var("rlm_gpu_vendor", "none")).lower()
+    if vendor not in GPU_VENDORS:
+        raise InventoryError(
+            f"host {host.name}: rlm_gpu_vendor must be one of {', '.join(GPU_VENDORS)}, "
+            f"got {vendor!r}; fix it in {source}"
+        )
+    floor = var("rlm_comm_busbw_floor_gbps")
+    return Host(
+        name=host.name,
+        address=str(var("ansible_host", host.name)),
+        port=integer("ansible_port", 22),
+        user=var("ansible_user"),
+        connection=str(var("ansible_connection", "ssh")).split(".")[-1],
+        key_file=_expand(key_file, inventory_dir) if key_file else None,
+        known_hosts_file=_expand(known_hosts, inventory_dir) if known_hosts else None,
+        strict_host_key_checking=options.get("stricthostkeychecking", "yes").lower(),
+        groups=tuple(sorted(g.name for g in host.get_groups() if g.name != "all")),
+        gpus_per_node=integer("rlm_gpus_per_node", 1),
+        gpu_vendor=vendor,
+        shared_dir=_expand(shared_dir, inventory_dir),
+        venv=_expand(str(var("rlm_venv")), inventory_dir) if var("rlm_venv") else None,
+        rdzv_port=integer("rlm_rdzv_port", DEFAULT_RDZV_PORT),
+        comm_env={str(k): str(v) for k, v in comm_env.items()},
+        interpreter=interpreter,
+        busbw_floor_gbps=float(floor) if floor is not None else None,
+    )
+
+
+def _expand(path: str, base: Path) -> str:
+    """`~` expanded; a relative path is relative to the inventory's directory, like Ansible's."""
+    expanded = Path(os.path.expanduser(path))
+    if not expanded.is_absolute():
+        expanded = base / expanded
+    return os.path.normpath(expanded)

@@ -1,0 +1,378 @@
+"""Launch a run on the cluster, look at it, stop it.
+
+A launch: fast health gate → run directory on the shared filesystem (trainer.rundir contract) with
+the resolved config → registry entry → on every host, detached and in a session of its own,
+`torchrun` with a c10d rendezvous on the first host, running `python -m trainer train`. What was
+started (PID, PGID, command) goes to hosts/<host>/launch.json and to the registry; the exit code
+of torchrun to hosts/<host>/exit.json when it ends.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlmctl import health
+from rlmctl.errors import RlmctlError
+from rlmctl.inventory import Host, Inventory
+from rlmctl.registry import Registry, registry_path
+from rlmctl.remote import Fleet, Result, python_command
+from trainer.rundir import ExitCode, RunDir, read_json, write_json_atomic
+
+Say = Callable[[str], None]
+
+
+class GateRefused(RlmctlError):
+    """Hosts failed the health gate; exit code 1 (a check is critical), not a usage error."""
+
+    exit_code = 1
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def runs_root(hosts: list[Host]) -> Path:
+    roots = {h.shared_dir for h in hosts}
+    if len(roots) > 1:
+        raise RlmctlError(
+            f"selected hosts disagree on rlm_shared_dir ({', '.join(sorted(roots))}); "
+            "set it once for the whole group in the inventory"
+        )
+    return hosts[0].runs_dir
+
+
+def open_registry(hosts: list[Host]) -> Registry:
+    return Registry(registry_path(runs_root(hosts)))
+
+
+def hostproc_command(host: Host, action: str, config: dict[str, Any]) -> str:
+    script = Path(__file__).with_name("hostproc.py").read_text(encoding="utf-8")
+    payload = base64.b64encode(json.dumps(config).encode()).decode()
+    return python_command(host.script_python, script, action, payload)
+
+
+def parse_json_result(result: Result) -> dict[str, Any] | None:
+    if not result.ok:
+        return None
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+# config -------------------------------------------------------------------------------------------
+def resolve_config(config_file: Path, overrides: list[str], run_dir: Path, world: int) -> str:
+    """The trainer's own parsing and validation (lazy: it imports torch), as YAML text."""
+    from trainer import config as trainer_config
+    from trainer.errors import UserError
+
+    try:
+        cfg = trainer_config.load_config(config_file, [*overrides, f"run_dir={run_dir}"])
+        trainer_config.validate(cfg)
+        trainer_config.check_world_size(cfg, world)
+    except UserError as error:
+        raise RlmctlError(f"{config_file}: {error}") from None
+    return trainer_config.dump_yaml(cfg)
+
+
+def world_size(hosts: list[Host]) -> int:
+    return sum(h.gpus_per_node for h in hosts)
+
+
+# gate ---------------------------------------------------------------------------------------------
+def gate(
+    fleet: Fleet, hosts: list[Host], force: bool, say: Say
+) -> tuple[list[Host], health.Report]:
+    """The hosts in launch order and the report; refuses when any failed unless `force`."""
+    say(f"health gate on {len(hosts)} host(s)")
+    report = health.run_checks(fleet, hosts)
+    for host_health in report.failed:
+        for check in host_health.critical:
+            say(f"  {host_health.host}: {check.name} CRIT: {check.detail}")
+    failed = {h.host for h in report.failed}
+    if failed and not force:
+        raise GateRefused(
+            f"health gate failed on {len(failed)} host(s): {', '.join(sorted(failed))}; "
+            "fix them (rlmctl health), --exclude them, or --force"
+        )
+    # Forced: hosts that failed go last, so that --nodes N prefers the healthy ones.
+    healthy = [h for h in hosts if h.name not in failed]
+    return healthy + [h for h in hosts if h.name in failed], report
+
+
+# start --------------------------------------------------------------------------------------------
+@dataclass
+class Started:
+    launch_id: int
+    hosts: list[str]
+    rdzv_endpoint: str
+
+
+def trainer_argv(
+    host: Host, hosts: list[Host], run: RunDir, rdzv_id: str, overrides: list[str]
+) -> list[str]:
+    first = hosts[0]
+    return [
+        host.python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={len(hosts)}",
+        f"--nproc-per-node={host.gpus_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={first.address}:{first.rdzv_port}",
+        f"--rdzv-id={rdzv_id}",
+        "--max-restarts=0",  # rlmctl watch restarts the whole job from a checkpoint instead
+        "-m",
+        "trainer",
+        "train",
+        "--config",
+        str(run.config_path),
+        f"run_dir={run.path}",
+        *overrides,
+    ]
+
+
+def start(
+    fleet: Fleet,
+    registry: Registry,
+    name: str,
+    run: RunDir,
+    hosts: list[Host],
+    kind: str,
+    say: Say = _quiet,
+    overrides: list[str] | None = None,
+) -> Started:
+    """Start the trainer on every host, detached; all-or-nothing."""
+    rdzv_id = f"{name}-{len(registry.launches(name)) + 1}-{secrets.token_hex(3)}"
+    endpoint = f"{hosts[0].address}:{hosts[0].rdzv_port}"
+    configs: dict[str, dict[str, Any]] = {}
+    for host in hosts:
+        run.host_dir(host.name).mkdir(parents=True, exist_ok=True)
+        env = {**host.comm_env, "PYTHONUNBUFFERED": "1"}
+        env |= {"RLMCTL_RUN": str(run.path), "RLMCTL_HOST": host.name}
+        configs[host.name] = {
+            "argv": trainer_argv(host, hosts, run, rdzv_id, overrides or []),
+            "env": env,
+            "log": str(run.launcher_log_path(host.name)),
+            "exit_file": str(run.exit_record_path(host.name)),
+            "cwd": host.shared_dir,
+        }
+    say(f"starting torchrun on {len(hosts)} host(s), rendezvous {endpoint} id {rdzv_id}")
+    results = fleet.run(lambda h: hostproc_command(h, "start", configs[h.name]), hosts=hosts)
+    processes, failures = [], []
+    for host, result in zip(hosts, results, strict=True):
+        started = parse_json_result(result)
+        if started is None:
+            failures.append(f"{host.name}: {result.reason}")
+            continue
+        record = {"host": host.name, "address": host.address, **started}
+        record |= {"argv": configs[host.name]["argv"], "rdzv_id": rdzv_id, "kind": kind}
+        record["rdzv_endpoint"] = endpoint
+        write_json_atomic(run.launch_record_path(host.name), record)
+        processes.append(record)
+    launch_id = registry.record_launch(name, kind, processes, rdzv_id, endpoint)
+    if failures:
+        stop(fleet, registry, name, timeout=10)
+        registry.set_state(name, "failed", "start failed: " + "; ".join(failures))
+        raise GateRefused(f"could not start on {len(failures)} host(s): {'; '.join(failures)}")
+    return Started(launch_id, [h.name for h in hosts], endpoint)
+
+
+def launch(
+    fleet: Fleet,
+    inventory: Inventory,
+    hosts: list[Host],
+    config_file: Path,
+    name: str | None,
+    nodes: int | None,
+    force: bool,
+    overrides: list[str],
+    say: Say = _quiet,
+) -> tuple[str, RunDir, Started]:
+    if not Path(config_file).is_file():
+        raise RlmctlError(f"config file {config_file} does not exist; pass --config FILE")
+    name = name or f"{Path(config_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise RlmctlError(f"run name {name!r} may only use letters, digits, '-', '_' and '.'")
+    if nodes is not None and not 1 <= nodes <= len(hosts):
+        raise RlmctlError(f"--nodes {nodes}: the selection has {len(hosts)} host(s)")
+    run = RunDir(runs_root(hosts) / name)
+    registry = open_registry(hosts)
+    if run.path.exists() or any(r["name"] == name for r in registry.runs()):
+        raise RlmctlError(
+            f"run {name!r} already exists ({run.path}); pick another --name or "
+            f"`rlmctl resume {name}`"
+        )
+    # Validate before touching any host: a bad config must not cost a health round trip.
+    resolve_config(config_file, overrides, run.path, world_size(hosts[: nodes or len(hosts)]))
+    healthy, _ = gate(fleet, hosts, force, say)
+    chosen = healthy[: nodes or len(hosts)]
+    if nodes and len(chosen) < nodes:
+        raise GateRefused(f"only {len(chosen)} healthy host(s), --nodes asks for {nodes}")
+    config_text = resolve_config(config_file, overrides, run.path, world_size(chosen))
+    run.create()
+    run.config_path.write_text(config_text, encoding="utf-8")
+    registry.add_run(name, str(run.path), str(inventory.source), config_text)
+    say(f"run {name}: {run.path}")
+    started = start(fleet, registry, name, run, chosen, "launch", say)
+    return name, run, started
+
+
+# look ---------------------------------------------------------------------------------------------
+def run_hosts(inventory: Inventory, registry: Registry, name: str) -> tuple[RunDir, list[Host]]:
+    run = registry.run(name)
+    names = [h["host"] for h in registry.hosts(name)]
+    missing = [n for n in names if n not in inventory.hosts]
+    if missing:
+        raise RlmctlError(
+            f"run {name} ran on {', '.join(missing)}, which {inventory.source} does not list; "
+            "use the inventory the run was launched with: -i " + run["inventory"]
+        )
+    return RunDir(run["run_dir"]), [inventory.hosts[n] for n in names]
+
+
+def processes(
+    fleet: Fleet, registry: Registry, name: str, run: RunDir, hosts: list[Host]
+) -> dict[str, dict[str, Any]]:
+    """Per host: alive (bool, or None when the host did not answer), process count, error."""
+    records = {h["host"]: h for h in registry.hosts(name)}
+
+    def command(host: Host) -> str:
+        record = records.get(host.name, {})
+        config = {"run_dir": str(run.path), "host": host.name}
+        return hostproc_command(
+            host, "status", config | {k: record.get(k) for k in ("pid", "pgid")}
+        )
+
+    results = fleet.run(command, hosts=hosts)
+    out = {}
+    for result in results:
+        parsed = parse_json_result(result)
+        out[result.host] = {
+            "alive": parsed["alive"] if parsed else None,
+            "processes": len(parsed["processes"]) if parsed else None,
+            "error": None if parsed else result.reason,
+        }
+    return out
+
+
+def exit_code(run: RunDir, hosts: list[str], since: float) -> int | None:
+    """Why the launch of `since` ended: the trainer's own non-zero code (status.json) first,
+    then the first failing torchrun code of `hosts` (hosts/<host>/exit.json), else 0.
+
+    torchrun turns every worker failure into 1, and a worker stopped by its launcher reports a
+    clean 0, so neither alone tells a crash from a config error or a requested stop.
+    """
+    status = run.read_status()
+    fresh = float(status.get("updated", 0)) >= since and "exit_code" in status
+    if fresh and int(status["exit_code"]) != 0:
+        return int(status["exit_code"])
+    codes = []
+    for host in hosts:
+        record = read_json(run.exit_record_path(host))
+        if isinstance(record, dict) and float(record.get("time", 0)) >= since - 1:
+            codes.append(int(record["exit_code"]))
+    failing = [c for c in codes if c != 0]
+    if failing:
+        return failing[0]
+    if fresh:
+        return int(status["exit_code"])
+    return 0 if codes else None
+
+
+def restartable(code: int | None) -> bool:
+    """Killed by a signal (128+n) or unknown counts as a crash; config/data errors do not."""
+    if code is None or code >= 128:
+        return True
+    try:
+        return ExitCode(code).restartable
+    except ValueError:
+        return True
+
+
+def status(fleet: Fleet, registry: Registry, inventory: Inventory, name: str) -> dict[str, Any]:
+    run, hosts = run_hosts(inventory, registry, name)
+    entry = registry.run(name)
+    procs = processes(fleet, registry, name, run, hosts)
+    progress = run.read_status()
+    latest = run.latest_valid_checkpoint()
+    alive = [h for h, p in procs.items() if p["alive"]]
+    unknown = [h for h, p in procs.items() if p["alive"] is None]
+    if alive and len(alive) == len(procs):
+        state = "running"
+    elif alive:
+        state = "degraded"
+    elif unknown:
+        state = "unknown"
+    else:
+        state = progress.get("state") if progress.get("state") in ("done", "stopped") else None
+        state = state or ("stopped" if entry["state"] == "stopped" else "dead")
+    if state in ("done", "dead") and entry["state"] != state:
+        registry.set_state(name, state, "observed by rlmctl status")
+    return {
+        "run": name,
+        "state": state,
+        "run_dir": str(run.path),
+        "hosts": procs,
+        "step": progress.get("step"),
+        "max_steps": progress.get("max_steps"),
+        "loss": progress.get("loss"),
+        "tokens_per_s": progress.get("tokens_per_s"),
+        "updated": progress.get("updated"),
+        "exit_code": progress.get("exit_code"),
+        "checkpoint": (
+            {"step": latest.step, "path": str(latest.path), "age_s": round(latest.age_seconds, 1)}
+            if latest
+            else None
+        ),
+        "restarts": run.restarts(),
+    }
+
+
+# stop ---------------------------------------------------------------------------------------------
+def stop(
+    fleet: Fleet, registry: Registry, name: str, timeout: float, hosts: list[Host] | None = None
+) -> dict[str, dict[str, Any]]:
+    """SIGTERM every host's processes of the run, SIGKILL after `timeout`; per-host outcome."""
+    run = RunDir(registry.run(name)["run_dir"])
+    targets = hosts if hosts is not None else fleet.hosts
+    # Before any signal: a concurrent `rlmctl watch` must read the exits as requested.
+    registry.set_state(name, "stopping", f"stop requested (timeout {timeout:g} s)")
+    pgids = {h["host"]: h["pgid"] for h in registry.hosts(name)}
+    results = fleet.run(
+        lambda h: hostproc_command(
+            h,
+            "stop",
+            {
+                "run_dir": str(run.path),
+                "host": h.name,
+                "pgid": pgids.get(h.name),
+                "timeout": timeout,
+            },
+        ),
+        hosts=targets,
+        timeout=timeout + 30,
+    )
+    outcome = {}
+    for result in results:
+        parsed = parse_json_result(result)
+        if parsed is None:
+            outcome[result.host] = {"ok": False, "error": result.reason}
+            continue
+        outcome[result.host] = {
+            "ok": not parsed["remaining"],
+            "found": parsed["found"],
+            "killed": len(parsed["killed"]),
+            "remaining": parsed["remaining"],
+            "error": None if not parsed["remaining"] else "processes survived SIGKILL",
+        }
+    clean = all(o["ok"] for o in outcome.values())
+    registry.set_state(name, "stopped" if clean else "stop-failed", f"stop: {outcome}")
+    return outcome

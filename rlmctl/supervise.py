@@ -1,0 +1,174 @@
+"""Resume a run from its newest good checkpoint, and supervise a run (`rlmctl watch`).
+
+Failure handling is fail-fast and whole-job: when one host's trainer dies, a host stops answering,
+or the step counter stops moving, the rest of the job is stopped (its collectives would only hang)
+and the exit code decides whether a restart can help (trainer.rundir.ExitCode.restartable). A
+restart is a resume: verify the checkpoint, re-run the gate, leave out hosts that fail it (fewer
+nodes, same global batch), relaunch. Every decision is an event in the registry.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rlmctl import launch
+from rlmctl.errors import RlmctlError
+from rlmctl.inventory import Inventory
+from rlmctl.launch import GateRefused, Say, Started
+from rlmctl.registry import Registry
+from rlmctl.remote import Fleet
+from trainer.rundir import CheckpointInfo, RunDir, verify_checkpoint
+
+
+def resume_checkpoint(run: RunDir, say: Say) -> CheckpointInfo | None:
+    """The newest checkpoint that passes the full (sha256) verification; None to start fresh."""
+    for info in reversed(run.checkpoints()):
+        if not info.valid:
+            say(f"skipping checkpoint {info.path.name}: {info.reason}")
+            continue
+        full = verify_checkpoint(info.path, full=True)
+        if full.valid:
+            return full
+        say(f"skipping checkpoint {info.path.name}: {full.reason}")
+    return None
+
+
+def resume(
+    fleet: Fleet,
+    inventory: Inventory,
+    registry: Registry,
+    name: str,
+    exclude: set[str],
+    say: Say,
+    force: bool = False,
+) -> Started:
+    run, hosts = launch.run_hosts(inventory, registry, name)
+    alive = [
+        h for h, p in launch.processes(fleet, registry, name, run, hosts).items() if p["alive"]
+    ]
+    if alive:
+        raise RlmctlError(
+            f"run {name} is still running on {', '.join(alive)}; stop it first: rlmctl stop {name}"
+        )
+    hosts = [h for h in hosts if h.name not in exclude]
+    if not hosts:
+        raise GateRefused(f"no hosts left for run {name} after excluding {', '.join(exclude)}")
+    checkpoint = resume_checkpoint(run, say)
+    if checkpoint is None:
+        say("no usable checkpoint: the run starts again from step 0")
+        overrides = ["checkpoint.resume=never"]
+    else:
+        say(f"resuming from {checkpoint.path.name} (step {checkpoint.step}, verified)")
+        overrides = [f"checkpoint.resume={checkpoint.path}"]
+    healthy, report = launch.gate(fleet, hosts, force=True, say=say)
+    dropped = [h.host for h in report.failed]
+    if not force:
+        healthy = [h for h in healthy if h.name not in dropped]
+        if dropped:
+            say(
+                f"leaving out {', '.join(dropped)} (failed the gate); {len(healthy)} host(s) remain"
+            )
+            registry.event(name, "excluded", f"gate failed: {', '.join(dropped)}")
+    if not healthy:
+        raise GateRefused(f"every host of run {name} failed the gate; see rlmctl health")
+    # Same global batch on fewer hosts: the trainer's check says whether it still divides.
+    launch.resolve_config(run.config_path, [], run.path, launch.world_size(healthy))
+    return launch.start(fleet, registry, name, run, healthy, "resume", say, overrides)
+
+
+@dataclass
+class WatchPolicy:
+    poll_s: float = 5.0
+    stall_s: float = 300.0  # no new step for this long counts as a hang; above start-up time
+    max_restarts: int = 3
+    backoff_s: float = 10.0  # doubles after each restart
+    stop_timeout_s: float = 60.0
+
+
+def watch(
+    fleet: Fleet,
+    inventory: Inventory,
+    registry: Registry,
+    name: str,
+    policy: WatchPolicy,
+    say: Say,
+) -> int:
+    """Supervise until the run finishes (0) or cannot be restarted (1)."""
+    restarts = 0
+    while True:
+        failure, unreachable, code = _watch_once(fleet, inventory, registry, name, policy, say)
+        if failure is None:
+            return 0
+        run, hosts = launch.run_hosts(inventory, registry, name)
+        registry.event(name, "failure", f"{failure} (exit code {code})")
+        say(f"failure: {failure}; stopping the rest of the job")
+        reachable = [h for h in hosts if h.name not in unreachable]
+        launch.stop(fleet, registry, name, policy.stop_timeout_s, hosts=reachable)
+        if not launch.restartable(code):
+            message = f"exit code {code} is not restartable (see rlmctl logs {name})"
+            registry.set_state(name, "failed", message)
+            say(f"giving up: {message}")
+            return 1
+        if restarts >= policy.max_restarts:
+            message = f"restart budget of {policy.max_restarts} used up"
+            registry.set_state(name, "failed", message)
+            say(f"giving up: {message}")
+            return 1
+        delay = policy.backoff_s * 2**restarts
+        restarts += 1
+        step = run.read_status().get("step")
+        registry.record_restart(name, failure, code, step, sorted(unreachable))
+        say(f"restart {restarts}/{policy.max_restarts} in {delay:g} s (exit code {code})")
+        time.sleep(delay)  # back-off policy: give a flapping host or filesystem time to recover
+        try:
+            resume(fleet, inventory, registry, name, set(unreachable), say)
+        except RlmctlError as error:  # no healthy hosts, batch no longer divides, ...
+            registry.set_state(name, "failed", str(error))
+            say(f"giving up: {error}")
+            return 1
+
+
+def _watch_once(
+    fleet: Fleet,
+    inventory: Inventory,
+    registry: Registry,
+    name: str,
+    policy: WatchPolicy,
+    say: Say,
+) -> tuple[str | None, set[str], int | None]:
+    """Poll one launch until it ends: (None, ...) when it finished cleanly, else (failure,
+    unreachable hosts, exit code). The code is read before the rest is stopped: the survivors
+    would exit 0 on SIGTERM and hide the crash."""
+    last_step, last_change = None, time.monotonic()
+    while True:
+        run, hosts = launch.run_hosts(inventory, registry, name)
+        procs = launch.processes(fleet, registry, name, run, hosts)
+        progress = run.read_status()
+        if registry.run(name)["state"] in ("stopping", "stopped"):
+            say(f"run {name} was stopped (rlmctl stop)")
+            return None, set(), 0
+        unreachable = {h for h, p in procs.items() if p["alive"] is None}
+        dead = {h for h, p in procs.items() if p["alive"] is False}
+        if unreachable:
+            return f"host(s) {', '.join(sorted(unreachable))} unreachable", unreachable, None
+        since = registry.launches(name)[-1]["time"]
+        if dead and len(dead) == len(procs):
+            fresh = float(progress.get("updated", 0)) >= since
+            if fresh and progress.get("state") == "done" and progress.get("exit_code") == 0:
+                registry.set_state(name, "done", f"finished at step {progress.get('step')}")
+                say(f"run {name} done at step {progress.get('step')}")
+                return None, set(), 0
+            code = launch.exit_code(run, sorted(dead), since)
+            return "all trainer processes exited", set(), code
+        if dead:
+            code = launch.exit_code(run, sorted(dead), since)
+            return f"trainer process gone on {', '.join(sorted(dead))}", set(), code
+        step = progress.get("step")
+        if step != last_step:
+            if last_step is not None:
+                say(f"step {step} loss {progress.get('loss')}")
+            last_step, last_change = step, time.monotonic()
+        elif time.monotonic() - last_change > policy.stall_s:
+            return f"no step progress for {policy.stall_s:g} s (stuck at step {step})", set(), None
+        time.sleep(policy.poll_s)  # polling interval of the supervisor, not a synchronisation

@@ -1,0 +1,59 @@
+"""Helpers for rlmctl tests: run the real CLI as a subprocess, write small inventories."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rlmctl(*args: str, timeout: float = 120, env: dict[str, str] | None = None):
+    """`python -m rlmctl ARGS` as an operator would run it; CompletedProcess with text output."""
+    return subprocess.run(
+        [sys.executable, "-m", "rlmctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def assert_one_line_error(result, exit_code: int, *fragments: str) -> None:
+    """A user error: the given exit code, one `error:` line on stderr, no traceback."""
+    assert result.returncode == exit_code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def local_inventory(tmp_path: Path) -> Path:
+    """This machine as a one-host cluster (local connection) with a private shared dir."""
+    inventory = tmp_path / "inventory"
+    inventory.mkdir()
+    (inventory / "hosts.yml").write_text(
+        "all:\n"
+        "  children:\n"
+        "    compute:\n"
+        "      hosts:\n"
+        "        localhost:\n"
+        "  vars:\n"
+        "    ansible_connection: local\n"
+        "    rlm_gpu_vendor: none\n"
+        "    rlm_gpus_per_node: 2\n"
+        '    rlm_shared_dir: "{{ inventory_dir }}/../shared"\n'
+        "    rlm_rdzv_port: 29573\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "shared").mkdir()
+    return inventory

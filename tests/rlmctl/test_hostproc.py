@@ -1,0 +1,104 @@
+"""Starting and stopping a run's processes on a host (the script rlmctl ships), on this machine.
+
+A stand-in for torchrun: a shell whose child sits in a session of its own (like torchrun's
+workers), so killing the launcher's process group alone would leave it behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlmctl import hostproc
+from trainer.rundir import read_json
+
+TREE = "setsid sleep 300 & echo worker $!; sleep 300"
+
+
+def call(action: str, cfg: dict) -> dict:
+    """Run the script the way rlmctl ships it: a separate process, base64 JSON argument."""
+    payload = base64.b64encode(json.dumps(cfg).encode()).decode()
+    out = subprocess.run(
+        [sys.executable, hostproc.__file__, action, payload],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie waiting for its (re)parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_for(condition, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+    return value
+
+
+def test_start_status_stop_leaves_nothing(tmp_path: Path) -> None:
+    run_dir = str(tmp_path / "run")
+    ident = {"run_dir": run_dir, "host": "h1"}
+    started = call(
+        "start",
+        ident
+        | {
+            "argv": ["/bin/sh", "-c", TREE],
+            "env": {"RLMCTL_RUN": run_dir, "RLMCTL_HOST": "h1"},
+            "log": str(tmp_path / "run/hosts/h1/launcher.log"),
+            "exit_file": str(tmp_path / "run/hosts/h1/exit.json"),
+            "cwd": str(tmp_path),
+        },
+    )
+    assert started["pid"] == started["pgid"] != os.getpgid(0)  # own session and group
+    log = tmp_path / "run/hosts/h1/launcher.log"
+    worker = int(wait_for(lambda: log.exists() and log.read_text().split()[1:], 10)[0])
+    wait_for(lambda: os.getsid(worker) == worker, 10)  # the worker left the launcher's session
+    status = call("status", ident | started)
+    assert status["alive"] and worker in [pid for pid, _ in status["processes"]]
+    other_host = call("status", {"run_dir": run_dir, "host": "h2"})
+    assert not other_host["alive"] and other_host["processes"] == []
+
+    stopped = call("stop", ident | started | {"timeout": 5})
+    assert stopped["remaining"] == [] and stopped["found"] >= 3
+    assert call("status", ident | started) == {"alive": False, "processes": []}
+    wait_for(lambda: gone(worker), 10)
+    record = wait_for(lambda: read_json(tmp_path / "run/hosts/h1/exit.json"), 10)
+    assert record["exit_code"] == 143  # SIGTERM, recorded by the launcher shell
+
+
+def test_orphaned_workers_are_found_by_environment(tmp_path: Path) -> None:
+    run_dir = str(tmp_path / "run")
+    ident = {"run_dir": run_dir, "host": "h1"}
+    started = call(
+        "start",
+        ident
+        | {
+            "argv": ["/bin/sh", "-c", TREE],
+            "env": {"RLMCTL_RUN": run_dir, "RLMCTL_HOST": "h1"},
+            "log": str(tmp_path / "log"),
+            "exit_file": str(tmp_path / "exit.json"),
+            "cwd": str(tmp_path),
+        },
+    )
+    worker = int(wait_for(lambda: (tmp_path / "log").read_text().split()[1:], 10)[0])
+    wait_for(lambda: os.getsid(worker) == worker, 10)
+    os.killpg(started["pgid"], 9)  # what a naive launcher does: the worker survives
+    status = wait_for(lambda: (s := call("status", ident | started)) and not s["alive"] and s, 10)
+    assert [pid for pid, _ in status["processes"]] == [worker]  # orphan, but still ours
+    stopped = call("stop", ident | started | {"timeout": 2})
+    assert stopped["remaining"] == []
+    wait_for(lambda: gone(worker), 10)

@@ -1,0 +1,59 @@
+"""`rlmctl plan` numbers and `rlmctl slurm` scripts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from rlmctl import plan, slurm
+from rlmctl.inventory import load
+from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
+
+
+def test_param_count_matches_the_real_model() -> None:
+    from trainer.model import PRESETS, RecurrentLM
+
+    cfg = PRESETS["tiny"]
+    assert plan.param_count(cfg) == RecurrentLM(cfg).param_counts().total
+    huginn = plan.param_count(PRESETS["huginn-3.5b"])
+    assert 3.5e9 <= huginn <= 3.6e9  # the published size
+
+
+def test_estimates_behave() -> None:
+    small = plan.estimate("huginn-3.5b", None, 40, None, 1)
+    large = plan.estimate("huginn-3.5b", None, 141, None, 1)
+    assert small["static_gib"] == large["static_gib"]
+    assert abs(small["static_gib"] - small["params"] * 16 / 2**30) < 1e-6
+    plain, checkpointed = small["estimates"]
+    assert checkpointed["activations_gib"] < plain["activations_gib"] / 4
+    assert large["estimates"][1]["min_gpus_sharded"] <= small["estimates"][1]["min_gpus_sharded"]
+    assert large["estimates"][1]["unsharded_fits"] and not small["estimates"][1]["unsharded_fits"]
+    # the rule of thumb only counts fp32 weights: it always promises fewer GPUs
+    assert small["rule_of_thumb_gpus"] <= small["estimates"][1]["min_gpus_sharded"]
+    bigger_batch = plan.estimate("huginn-3.5b", None, 40, None, 4)
+    assert bigger_batch["estimates"][0]["activations_gib"] > 3.9 * plain["activations_gib"] - 2
+
+
+def test_plan_cli() -> None:
+    result = rlmctl("plan", "--params", "7e9", "--gpu-mem", "80", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["params"] == 7_000_000_000
+    assert_one_line_error(rlmctl("plan", "--model", "nope"), 2, "unknown model preset")
+    assert_one_line_error(rlmctl("plan"), 2, "--params")
+
+
+def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
+    host = load(local_inventory).select()[0]
+    config = REPO / "trainer/configs/tiny.yaml"
+    script = slurm.render(config, "exp1", 4, 8, "gpu", "12:00:00", host)
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"):
+        assert line in script
+    assert '--rdzv-endpoint="$head_node:29573"' in script and "--nproc-per-node=8" in script
+    assert 'run_dir="$RUN_DIR"' in script and str(host.runs_dir / "exp1") in script
+    syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert syntax.returncode == 0, syntax.stderr
+    result = rlmctl("-i", str(local_inventory), "slurm", "--config", str(config), "--nodes", "2")
+    assert result.returncode == 0 and result.stdout.startswith("#!/bin/bash")
+    missing = rlmctl("-i", str(local_inventory), "slurm", "--config", "nope.yaml")
+    assert_one_line_error(missing, 2, "nope.yaml")
