@@ -480,7 +480,7 @@ class CheckpointManager:
                     f"checkpoint.resume={resume} is not a usable checkpoint: {info.reason}; "
                     "pick another with `python -m trainer checkpoints RUN_DIR`"
                 )
-            state = self._read(path)
+            state = self.read(path)
             self._warn_newer(info.step)
             return state
         for listed in reversed(self.run_dir.checkpoints()):
@@ -489,7 +489,7 @@ class CheckpointManager:
                 self._warn(f"checkpoint: skipping {info.path}: {info.reason}")
                 continue
             try:
-                return self._read(info.path)
+                return self.read(info.path)
             except Exception as exc:  # a corrupt file must not stop the resume
                 self._warn(f"checkpoint: skipping {info.path}: unreadable ({_first_line(exc)})")
         return None
@@ -505,7 +505,40 @@ class CheckpointManager:
             )
         return path
 
-    def _read(self, path: Path) -> dict[str, Any]:
+    def latest_before(self, step: int) -> CheckpointInfo | None:
+        """The newest checkpoint older than `step` that passes `cfg.verify` (a rollback target)."""
+        for listed in reversed(self.run_dir.checkpoints()):
+            if listed.step >= step or not listed.valid:
+                continue
+            info = (
+                verify_checkpoint(listed.path, full=True) if self.cfg.verify == "full" else listed
+            )
+            if info.valid:
+                return info
+        return None
+
+    def set_aside_newer(self, step: int) -> None:
+        """After a rollback to `step`: hide the newer checkpoints of the abandoned trajectory.
+
+        They are renamed (kept for inspection, never resumed from, never pruned), so that a later
+        save of the same step writes the new state instead of keeping the old one.
+        """
+        if self.rank != 0:
+            return
+        for info in self.run_dir.checkpoints():
+            if info.step > step:
+                aside = info.path.with_name(f".rolled-back-{info.path.name}-{int(time.time())}")
+                os.rename(info.path, aside)
+                log.warning(
+                    "checkpoint: %s belongs to the rolled-back steps; moved to %s, delete it "
+                    "when inspected",
+                    info.path.name,
+                    aside.name,
+                )
+        self.last_saved_step = step
+
+    def read(self, path: Path) -> dict[str, Any]:
+        """A checkpoint's whole state on CPU; records it as `loaded_path`."""
         model = torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True)
         optimizer = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         # Written by this module; holds Python and numpy RNG state objects that the weights-only
@@ -513,7 +546,7 @@ class CheckpointManager:
         rest = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
         self.loaded_path = path
         if self.rank == 0:
-            log.info("checkpoint: resuming from %s", path)
+            log.info("checkpoint: loading %s", path)
         return {"model": model, "optimizer": optimizer, **rest}
 
     def _warn_newer(self, step: int) -> None:

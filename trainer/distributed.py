@@ -8,9 +8,20 @@ runs use `gloo`.
 Gradients are averaged by DDP through one communication hook of ours: it casts each bucket to the
 wire dtype (`comm.compression`), divides by the pre-divide factor, all-reduces, divides by
 world/factor and casts back, counting the payload bytes handed to the all-reduce.
+
+A hung peer must end the job, not freeze it: `startup_check` is a barrier with a short timeout
+that names the ranks (and hosts) that did not answer, followed by a timed all-reduce sweep whose
+bus bandwidth rank 0 logs. After it, a stuck collective fails after `comm.timeout_s` (gloo raises;
+NCCL/RCCL with async error handling tear the process down).
 """
 
+import logging
 import os
+import re
+import signal
+import socket
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,7 +32,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import CommConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
+from trainer.rundir import ExitCode
+
+log = logging.getLogger(__name__)
+
+# Startup sweep: 1 KiB to 4 MiB of float32, each size all-reduced a few times.
+SWEEP_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 22)
+SWEEP_REPEATS = 3
+
+
+class PeerTimeout(UserError):
+    """A rank did not answer at startup: exit 1 (restartable, perhaps without that host)."""
+
+    exit_code = ExitCode.FAILED
+
 
 WIRE_DTYPES: dict[str, torch.dtype | None] = {
     "none": None,
@@ -37,6 +62,8 @@ class DistEnv:
     local_rank: int
     device: torch.device
     backend: str | None  # None: single process, no process group
+    hosts: tuple[str, ...] = ()  # host name of every rank, in rank order
+    startup_group: Any = None  # a gloo group with the short startup timeout
 
     @property
     def is_main(self) -> bool:
@@ -83,12 +110,100 @@ def init(cfg: CommConfig, device: str = "auto") -> DistEnv:
             timeout=timedelta(seconds=cfg.timeout_s),
             device_id=dev if use_cuda else None,
         )
+        # Right after the rendezvous every rank is alive and here: learn the host names now, so
+        # that a rank hanging later can be named; the side group gives the startup check its own
+        # short timeout (monitored_barrier exists for gloo only, hence gloo even next to NCCL).
+        hosts: list[Any] = [None] * world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.startup_timeout_s))
+        return DistEnv(rank, world_size, local_rank, dev, backend, tuple(hosts), group)
     return DistEnv(rank, world_size, local_rank, dev, backend)
 
 
 def shutdown(env: DistEnv) -> None:
     if env.distributed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def startup_check(env: DistEnv, cfg: CommConfig) -> str | None:
+    """Fail fast unless every rank answers within `comm.startup_timeout_s`, then time all-reduces.
+
+    Returns rank 0's one-line bandwidth summary (None elsewhere and at world size 1). Raises
+    PeerTimeout naming the ranks and hosts that did not answer.
+    """
+    if env.world_size < 2:
+        return None
+    if env.rank == cfg.debug_stall_rank:
+        _stall_forever(env)
+    timeout = timedelta(seconds=cfg.startup_timeout_s)
+    try:
+        dist.monitored_barrier(env.startup_group, timeout=timeout, wait_all_ranks=True)
+        sweep_group = env.startup_group if env.backend == "gloo" else None
+        figures = [_timed_all_reduce(nbytes, env, sweep_group) for nbytes in SWEEP_BYTES]
+    except RuntimeError as exc:
+        raise PeerTimeout(describe_peer_timeout(exc, env, cfg)) from None
+    # The group (and its gloo threads) is not needed again.
+    dist.destroy_process_group(env.startup_group)
+    if not env.is_main:
+        return None
+    parts = [f"{_size(n)} {seconds * 1e3:.2f} ms" for n, seconds in figures]
+    nbytes, seconds = figures[-1]
+    bus = nbytes / seconds * 2 * (env.world_size - 1) / env.world_size
+    return (
+        f"startup all-reduce over {env.world_size} ranks ({env.backend}): {', '.join(parts)}; "
+        f"bus bandwidth {bus / 1e9:.2f} GB/s at {_size(nbytes)}"
+    )
+
+
+def _timed_all_reduce(nbytes: int, env: DistEnv, group: Any) -> tuple[int, float]:
+    """(bytes, best seconds of SWEEP_REPEATS) of one all-reduce size; the first call warms up."""
+    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=env.device)
+    dist.all_reduce(tensor, group=group)
+    best = float("inf")
+    for _ in range(SWEEP_REPEATS):
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes, best
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def describe_peer_timeout(exc: RuntimeError, env: DistEnv, cfg: CommConfig) -> str:
+    """One line naming the ranks and hosts that did not answer the startup check."""
+    # gloo says "Ranks 1, 3 failed to pass monitoredBarrier" on rank 0, and "... send/recv from
+    # rank 0" on the others.
+    text = str(exc)
+    match = re.search(r"Ranks? ([\d, ]+) failed", text) or re.search(r"from rank (\d+)", text)
+    ranks = [int(r) for r in re.findall(r"\d+", match.group(1))] if match else []
+    if ranks:
+        named = ", ".join(f"rank {r} ({_host(env, r)})" for r in ranks)
+        what = f"{named} did not answer"
+    else:
+        lines = text.strip().splitlines()
+        what = f"the startup all-reduce did not complete ({lines[0] if lines else 'no detail'})"
+    return (
+        f"rank {env.rank} ({_host(env, env.rank)}): {what} within "
+        f"comm.startup_timeout_s={cfg.startup_timeout_s:g} s; check that host (hung GPU, "
+        "stuck filesystem, network) or raise comm.startup_timeout_s"
+    )
+
+
+def _host(env: DistEnv, rank: int) -> str:
+    return env.hosts[rank] if rank < len(env.hosts) else "unknown host"
+
+
+def _stall_forever(env: DistEnv) -> None:
+    """comm.debug_stall_rank: hang like a stuck worker (the launcher's SIGTERM still ends it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    log.warning("rank %d: comm.debug_stall_rank: stalling", env.rank)
+    threading.Event().wait()
 
 
 @dataclass
@@ -184,3 +299,12 @@ def gather_objects(obj: Any, env: DistEnv) -> list[Any]:
 def barrier(env: DistEnv) -> None:
     if env.distributed:
         dist.barrier()
+
+
+def broadcast_object(obj: Any, env: DistEnv) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

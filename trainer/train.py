@@ -8,7 +8,9 @@ One optimizer step:
    update does not depend on the world size.
 3. Forward/backward per micro-batch (DDP all-reduces on the last one), unscale, clip.
 4. One small all-reduce agrees on the mean loss and on whether a stop signal arrived anywhere.
-5. A finite step is applied; a non-finite one is dropped and counted.
+5. A finite step is applied; a non-finite one is dropped and counted. After
+   `train.max_nonfinite` in a row the run rolls back to the newest verified checkpoint from
+   before the streak, with the data cursor still moving forward (or stops, exit 4).
 6. Metrics, checkpoint on the interval, validation on its interval, stop if asked.
 """
 
@@ -92,6 +94,7 @@ class Progress:
     cursor: int = 0  # global sample position of the next step
     nonfinite_steps: int = 0
     nonfinite_in_a_row: int = 0
+    rollbacks: int = 0  # by this process; train.max_rollbacks is the budget
     skipped_steps: int = 0  # fp16 steps the loss scaler skipped
     comm_bytes_total: int = 0
 
@@ -174,6 +177,16 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 def train(cfg: Config) -> ExitCode:
     """Run training to `train.steps` (or until stopped); returns the process exit code."""
+    # First of all: a SIGTERM while the data or a checkpoint loads must be a clean stop too.
+    signals = StopSignals()
+    signals.install()
+    try:
+        return _setup_and_train(cfg, signals)
+    finally:
+        signals.restore()
+
+
+def _setup_and_train(cfg: Config, signals: StopSignals) -> ExitCode:
     # Everything that can be wrong with the input is checked before the process group forms.
     world_size = distributed.world_size_from_env()
     accum_steps = check_world_size(cfg, world_size)
@@ -204,9 +217,12 @@ def train(cfg: Config) -> ExitCode:
                         f"({exc.strerror}); choose another metrics.port, or 0 to disable"
                     ) from None
                 log.info("metrics on http://%s:%d/metrics", cfg.metrics.host, port)
-        distributed.barrier(env)  # the run directory exists before any rank writes into it
+        # Also a barrier: the run directory exists before any rank writes into it.
+        summary = distributed.startup_check(env, cfg.comm)
+        if summary:
+            log.info("%s", summary)
         exit_code, state = _train(
-            cfg, env, run_dir, metrics, progress, train_ds, val_ds, accum_steps
+            cfg, env, run_dir, metrics, progress, train_ds, val_ds, accum_steps, signals
         )
     except UserError as exc:
         exit_code, state = exc.exit_code, "failed"
@@ -256,6 +272,7 @@ def _train(
     train_ds: TokenDataset,
     val_ds: TokenDataset | None,
     accum_steps: int,
+    signals: StopSignals,
 ) -> tuple[ExitCode, str]:
     mcfg, tcfg = cfg.model, cfg.train
     # Built on the meta device and initialised in place: a 3.5 B model never materialises in
@@ -317,6 +334,11 @@ def _train(
         assert metrics is not None
         metrics.set_state("running")
 
+    # A stop asked for during setup (while the checkpoint loaded, say): nothing new to save.
+    if distributed.all_reduce_sum([1.0 if signals.requested else 0.0], env)[0]:
+        log.info("stop requested during setup: exiting before the first step, nothing to save")
+        return ExitCode.OK, "stopped"
+
     def save_checkpoint() -> None:
         # Collective (RNG states are gathered from every rank); only rank 0 writes.
         rng = distributed.gather_objects(rng_state(env.device), env)
@@ -353,181 +375,178 @@ def _train(
                 }
             )
 
-    signals = StopSignals()
-    signals.install()
     last_saved = progress.step if resumed is not None else None
-    try:
-        while progress.step < tcfg.steps:
-            step_start = time.perf_counter()
-            step = progress.step
-            r = sample_recurrence(cfg.seed, step, mcfg.mean_recurrence, mcfg.recurrence_sigma)
-            k = min(mcfg.backprop_depth, r)
-            positions = rank_positions(progress.cursor, tcfg.global_batch, env.rank, env.world_size)
-            indices = sampler.indices(positions)
-            if tcfg.ledger:
-                ledger = run_dir.path / f"ledger-rank{env.rank}.jsonl"
-                append_jsonl(ledger, {"step": step, "positions": positions, "indices": indices})
+    while progress.step < tcfg.steps:
+        step_start = time.perf_counter()
+        step = progress.step
+        r = sample_recurrence(cfg.seed, step, mcfg.mean_recurrence, mcfg.recurrence_sigma)
+        k = min(mcfg.backprop_depth, r)
+        positions = rank_positions(progress.cursor, tcfg.global_batch, env.rank, env.world_size)
+        indices = sampler.indices(positions)
+        if tcfg.ledger:
+            ledger = run_dir.path / f"ledger-rank{env.rank}.jsonl"
+            append_jsonl(ledger, {"step": step, "positions": positions, "indices": indices})
 
-            loss_sum = torch.zeros((), device=env.device)
-            data_time = 0.0
-            micro = list(
-                zip(
-                    chunks(indices, tcfg.micro_batch),
-                    chunks(positions, tcfg.micro_batch),
-                    strict=True,
-                )
+        # The poison follows the data (like a bad shard would): a rollback that moves the
+        # cursor past the bad range does not meet it again.
+        poisoned = progress.cursor // tcfg.global_batch + 1 in tcfg.debug_nan_steps
+        loss_sum = torch.zeros((), device=env.device)
+        data_time = 0.0
+        micro = list(
+            zip(
+                chunks(indices, tcfg.micro_batch),
+                chunks(positions, tcfg.micro_batch),
+                strict=True,
             )
-            for i, (micro_indices, micro_positions) in enumerate(micro):
-                data_start = time.perf_counter()
-                inputs, labels, seeds = load_batch(
-                    train_ds, micro_indices, micro_positions, cfg.seed, env.device
-                )
-                data_time += time.perf_counter() - data_start
-                last = i == len(micro) - 1
-                # Gradients are all-reduced once per step, on the last micro-batch.
-                sync = (
-                    contextlib.nullcontext() if last or ddp_model is model else ddp_model.no_sync()
-                )
-                with sync:
-                    with autocast(env, tcfg.precision):
-                        out = ddp_model(
-                            inputs, labels, num_steps=r, backprop_depth=k, state_seeds=seeds
-                        )
-                    loss = out.loss / len(micro)
-                    (scaler.scale(loss) if scaler else loss).backward()
-                loss_sum += loss.detach()
-
-            if scaler:
-                scaler.unscale_(optimizer)
-            max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            loss_total, stop_votes = distributed.all_reduce_sum(
-                [float(loss_sum), 1.0 if signals.requested else 0.0], env
+        )
+        for i, (micro_indices, micro_positions) in enumerate(micro):
+            data_start = time.perf_counter()
+            inputs, labels, seeds = load_batch(
+                train_ds, micro_indices, micro_positions, cfg.seed, env.device
             )
-            loss_value = loss_total / env.world_size
-            lr = scheduler.get_last_lr()[0]
+            data_time += time.perf_counter() - data_start
+            last = i == len(micro) - 1
+            # Gradients are all-reduced once per step, on the last micro-batch.
+            sync = contextlib.nullcontext() if last or ddp_model is model else ddp_model.no_sync()
+            with sync:
+                with autocast(env, tcfg.precision):
+                    out = ddp_model(
+                        inputs, labels, num_steps=r, backprop_depth=k, state_seeds=seeds
+                    )
+                loss = out.loss / len(micro)
+                if poisoned:
+                    loss = loss * math.nan
+                (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += loss.detach()
 
-            # With fp16 an overflowing gradient is the loss scaler's business (it skips the
-            # step and lowers the scale); a non-finite loss is trouble in every precision.
-            finite = math.isfinite(loss_value) and (scaler is not None or math.isfinite(grad_norm))
-            if scaler:
-                scale_before = scaler.get_scale()
-                if finite:
-                    scaler.step(optimizer)
-                scaler.update()
-                if finite and scaler.get_scale() < scale_before:
-                    progress.skipped_steps += 1
-            elif finite:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+        if scaler:
+            scaler.unscale_(optimizer)
+        max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        loss_total, stop_votes = distributed.all_reduce_sum(
+            [float(loss_sum), 1.0 if signals.requested else 0.0], env
+        )
+        loss_value = loss_total / env.world_size
+        lr = scheduler.get_last_lr()[0]
 
-            progress.step += 1
-            progress.cursor += tcfg.global_batch
-            progress.tokens += tokens_per_step
-            step_comm = comm.take() if comm else 0
-            progress.comm_bytes_total += step_comm
+        # With fp16 an overflowing gradient is the loss scaler's business (it skips the
+        # step and lowers the scale); a non-finite loss is trouble in every precision.
+        finite = math.isfinite(loss_value) and (scaler is not None or math.isfinite(grad_norm))
+        if scaler:
+            scale_before = scaler.get_scale()
             if finite:
-                progress.nonfinite_in_a_row = 0
-            else:
-                progress.nonfinite_steps += 1
-                progress.nonfinite_in_a_row += 1
-                log.warning(
-                    "step %d: non-finite loss %s / grad norm %s; update dropped (%d in a row)",
-                    progress.step,
-                    loss_value,
-                    grad_norm,
-                    progress.nonfinite_in_a_row,
-                )
-                if env.is_main:
-                    run_dir.append_event(
-                        "nonfinite",
-                        step=progress.step,
-                        loss=str(loss_value),
-                        grad_norm=str(grad_norm),
-                    )
+                scaler.step(optimizer)
+            scaler.update()
+            if finite and scaler.get_scale() < scale_before:
+                progress.skipped_steps += 1
+        elif finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
 
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
-            step_time = time.perf_counter() - step_start
+        progress.step += 1
+        progress.cursor += tcfg.global_batch
+        progress.tokens += tokens_per_step
+        step_comm = comm.take() if comm else 0
+        progress.comm_bytes_total += step_comm
+        if finite:
+            progress.nonfinite_in_a_row = 0
+        else:
+            progress.nonfinite_steps += 1
+            progress.nonfinite_in_a_row += 1
+            log.warning(
+                "step %d: non-finite loss %s / grad norm %s; update dropped (%d in a row)",
+                progress.step,
+                loss_value,
+                grad_norm,
+                progress.nonfinite_in_a_row,
+            )
             if env.is_main:
-                assert metrics is not None
-                flops = flops_per_token(mcfg, r, k, seq_len).useful * tokens_per_step
-                flops_per_device = flops / env.world_size / step_time
-                record = {
-                    "kind": "train",
-                    "step": progress.step,
-                    "loss": loss_value if math.isfinite(loss_value) else str(loss_value),
-                    "lr": lr,
-                    "grad_norm": grad_norm if math.isfinite(grad_norm) else str(grad_norm),
-                    "tokens": progress.tokens,
-                    "tokens_per_s": tokens_per_step / step_time,
-                    "step_time": step_time,
-                    "data_time": data_time,
-                    "recurrence": r,
-                    "backprop_depth": k,
-                    "comm_bytes": step_comm,
-                    "comm_wire_bytes": comm.ring_wire_bytes(step_comm) if comm else 0.0,
-                    "tflops": flops_per_device / 1e12,
-                    "mfu": flops_per_device / peak if peak else 0.0,
-                    "peak_memory_bytes": peak_memory_bytes(env.device),
-                    "loss_scale": scaler.get_scale() if scaler else None,
-                    "time": time.time(),
+                run_dir.append_event(
+                    "nonfinite",
+                    step=progress.step,
+                    loss=str(loss_value),
+                    grad_norm=str(grad_norm),
+                )
+
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        step_time = time.perf_counter() - step_start
+        if env.is_main:
+            assert metrics is not None
+            flops = flops_per_token(mcfg, r, k, seq_len).useful * tokens_per_step
+            flops_per_device = flops / env.world_size / step_time
+            record = {
+                "kind": "train",
+                "step": progress.step,
+                "loss": loss_value if math.isfinite(loss_value) else str(loss_value),
+                "lr": lr,
+                "grad_norm": grad_norm if math.isfinite(grad_norm) else str(grad_norm),
+                "tokens": progress.tokens,
+                "tokens_per_s": tokens_per_step / step_time,
+                "step_time": step_time,
+                "data_time": data_time,
+                "recurrence": r,
+                "backprop_depth": k,
+                "comm_bytes": step_comm,
+                "comm_wire_bytes": comm.ring_wire_bytes(step_comm) if comm else 0.0,
+                "tflops": flops_per_device / 1e12,
+                "mfu": flops_per_device / peak if peak else 0.0,
+                "peak_memory_bytes": peak_memory_bytes(env.device),
+                "loss_scale": scaler.get_scale() if scaler else None,
+                "time": time.time(),
+            }
+            run_dir.append_metrics(record)
+            metrics.update(
+                {
+                    **record,
+                    "loss": loss_value,
+                    "grad_norm": grad_norm,
+                    "comm_bytes_total": progress.comm_bytes_total,
+                    "nonfinite_steps": progress.nonfinite_steps,
+                    "skipped_steps": progress.skipped_steps,
+                    "checkpoint_saves": checkpoints.saves,
+                    "checkpoint_failures": checkpoints.failures,
                 }
-                run_dir.append_metrics(record)
-                metrics.update(
-                    {
-                        **record,
-                        "loss": loss_value,
-                        "grad_norm": grad_norm,
-                        "comm_bytes_total": progress.comm_bytes_total,
-                        "nonfinite_steps": progress.nonfinite_steps,
-                        "skipped_steps": progress.skipped_steps,
-                        "checkpoint_saves": checkpoints.saves,
-                        "checkpoint_failures": checkpoints.failures,
-                    }
+            )
+            if progress.step % cfg.metrics.log_every == 0 or progress.step == tcfg.steps:
+                log.info(
+                    "%s",
+                    log_line(record | {"loss": loss_value, "grad_norm": grad_norm}, tcfg.steps),
                 )
-                if progress.step % cfg.metrics.log_every == 0 or progress.step == tcfg.steps:
-                    log.info(
-                        "%s",
-                        log_line(record | {"loss": loss_value, "grad_norm": grad_norm}, tcfg.steps),
-                    )
-                    run_dir.write_status(
-                        state="running",
-                        step=progress.step,
-                        loss=loss_value if math.isfinite(loss_value) else None,
-                        tokens_per_s=record["tokens_per_s"],
-                        checkpoint_interval_steps=cfg.checkpoint.interval_steps,
-                        max_steps=tcfg.steps,
-                    )
+                run_dir.write_status(
+                    state="running",
+                    step=progress.step,
+                    loss=loss_value if math.isfinite(loss_value) else None,
+                    tokens_per_s=record["tokens_per_s"],
+                    checkpoint_interval_steps=cfg.checkpoint.interval_steps,
+                    max_steps=tcfg.steps,
+                )
 
-            if progress.nonfinite_in_a_row >= tcfg.max_nonfinite:
-                # Hook for rollback: reload the last checkpoint here and skip the bad data range
-                # instead of giving up (not implemented yet; the exit code lets rlmctl decide).
-                log.error(
-                    "error: %d non-finite steps in a row (train.max_nonfinite=%d); stopping",
-                    progress.nonfinite_in_a_row,
-                    tcfg.max_nonfinite,
-                )
+        if progress.nonfinite_in_a_row >= tcfg.max_nonfinite:
+            checkpoints.wait()  # an async save in flight may be the rollback target
+            if not _roll_back(
+                cfg, env, run_dir, checkpoints, progress, model, optimizer, scheduler, scaler
+            ):
                 return ExitCode.NONFINITE, "failed"
+            last_saved = progress.step
+            continue
 
-            final = progress.step == tcfg.steps
-            if progress.step % cfg.checkpoint.interval_steps == 0 or final or stop_votes:
-                save_checkpoint()
-                last_saved = progress.step
-            if val_ds is not None and (progress.step % cfg.eval.every == 0 or final):
-                losses = evaluate(model, val_ds, cfg, env)
-                _report_validation(losses, progress.step, run_dir, metrics, env)
-            if stop_votes:
-                log.info("stopped at step %d on request; checkpoint saved", progress.step)
-                checkpoints.wait()
-                return ExitCode.OK, "stopped"
-        if last_saved != progress.step:
+        final = progress.step == tcfg.steps
+        if progress.step % cfg.checkpoint.interval_steps == 0 or final or stop_votes:
             save_checkpoint()
-        checkpoints.wait()
-        return ExitCode.OK, "done"
-    finally:
-        signals.restore()
+            last_saved = progress.step
+        if val_ds is not None and (progress.step % cfg.eval.every == 0 or final):
+            losses = evaluate(model, val_ds, cfg, env)
+            _report_validation(losses, progress.step, run_dir, metrics, env)
+        if stop_votes:
+            log.info("stopped at step %d on request; checkpoint saved", progress.step)
+            checkpoints.wait()
+            return ExitCode.OK, "stopped"
+    if last_saved != progress.step:
+        save_checkpoint()
+    checkpoints.wait()
+    return ExitCode.OK, "done"
 
 
 def _report_validation(
@@ -564,18 +583,7 @@ def _restore(
     train_ds: TokenDataset,
     env: DistEnv,
 ) -> None:
-    try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise ConfigError(
-            f"the checkpoint does not fit this model/optimizer config ({first}); "
-            "use the config it was trained with, or checkpoint.resume=never"
-        ) from None
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
+    _load_tensors(state, model, optimizer, scheduler, scaler)
     saved = state["progress"]
     progress.step = saved["step"]
     progress.tokens = saved["tokens"]
@@ -594,3 +602,99 @@ def _restore(
     if len(rng) == env.world_size:
         set_rng_state(rng[env.rank], env.device)
     log.info("resumed at step %d (%d tokens)", progress.step, progress.tokens)
+
+
+def _load_tensors(
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler | None,
+) -> None:
+    """Model, optimizer, scheduler and grad-scaler state of a checkpoint, loaded in place."""
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ConfigError(
+            f"the checkpoint does not fit this model/optimizer config ({first}); "
+            "use the config it was trained with, or checkpoint.resume=never"
+        ) from None
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+
+
+def _roll_back(
+    cfg: Config,
+    env: DistEnv,
+    run_dir: RunDir,
+    checkpoints: CheckpointManager,
+    progress: Progress,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler | None,
+) -> bool:
+    """Reload the newest verified checkpoint from before the non-finite streak; False: stop.
+
+    The data cursor is not restored: the samples between that checkpoint and now are skipped, so
+    a bad stretch of data is not replayed. Checkpoints saved during the streak hold the weights
+    that led into it and are not candidates.
+    """
+    tcfg = cfg.train
+    streak_start = progress.step - progress.nonfinite_in_a_row + 1
+    reason = (
+        f"{progress.nonfinite_in_a_row} non-finite steps in a row at steps {streak_start}-"
+        f"{progress.step} (train.max_nonfinite={tcfg.max_nonfinite})"
+    )
+    if tcfg.on_nonfinite == "stop":
+        log.error("error: %s; stopping (train.on_nonfinite=stop)", reason)
+        return False
+    if progress.rollbacks >= tcfg.max_rollbacks:
+        log.error(
+            "error: %s; rollback budget train.max_rollbacks=%d used up; stopping",
+            reason,
+            tcfg.max_rollbacks,
+        )
+        return False
+    target = checkpoints.latest_before(streak_start) if env.is_main else None
+    path = distributed.broadcast_object(str(target.path) if target else None, env)
+    if path is None:
+        log.error(
+            "error: %s; no verified checkpoint before step %d to roll back to; stopping",
+            reason,
+            streak_start,
+        )
+        return False
+    state = checkpoints.read(Path(path))
+    _load_tensors(state, model, optimizer, scheduler, scaler)
+    checkpoints.set_aside_newer(state["progress"]["step"])
+    from_step = progress.step
+    progress.step = state["progress"]["step"]
+    progress.tokens = state["progress"]["tokens"]
+    progress.nonfinite_in_a_row = 0
+    progress.rollbacks += 1
+    log.warning(
+        "%s; rolled back to %s (rollback %d of train.max_rollbacks=%d); the data continues at "
+        "sample %d, samples %d..%d are skipped",
+        reason,
+        Path(path).name,
+        progress.rollbacks,
+        tcfg.max_rollbacks,
+        progress.cursor,
+        state["progress"]["sample_index"],
+        progress.cursor - 1,
+    )
+    if env.is_main:
+        run_dir.append_event(
+            "rollback",
+            from_step=from_step,
+            to_step=progress.step,
+            checkpoint=path,
+            cursor=progress.cursor,
+            skipped_samples=progress.cursor - state["progress"]["sample_index"],
+            rollbacks=progress.rollbacks,
+        )
+    return True

@@ -1,4 +1,8 @@
-"""Resume through real `python -m trainer train` processes: exact, after SIGTERM, and elastic."""
+"""Resume through real `python -m trainer train` processes: exact, after SIGTERM, and elastic.
+
+The uninterrupted reference and the 1-rank continuation run in-process (one Python start less
+each, the slowest part of these tests); torch uses one thread there, as in the subprocesses.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from tests.trainer.training_runs import REPO, TINY, cli_env, overrides, run_cli, torchrun
-from trainer.rundir import RunDir, read_jsonl
+from tests.trainer.training_runs import (
+    REPO,
+    TINY,
+    cli_env,
+    overrides,
+    run_cli,
+    tiny_config,
+    torchrun,
+)
+from trainer.rundir import ExitCode, RunDir, read_jsonl
+from trainer.train import train as train_in_process
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -28,6 +42,17 @@ def train(data: Path, run_dir: Path, steps: int, *extra: str) -> subprocess.Comp
     result = run_cli("train", "--config", str(TINY), *args, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def train_here(data: Path, run_dir: Path, steps: int) -> None:
+    """`train` in this process, with one intra-op thread like the subprocesses."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = tiny_config(data, run_dir, f"train.steps={steps}", *SAME_SCHEDULE)
+        assert train_in_process(cfg) == ExitCode.OK
+    finally:
+        torch.set_num_threads(threads)
 
 
 def losses(run_dir: Path) -> dict[int, tuple[Any, Any]]:
@@ -59,7 +84,7 @@ def assert_no_repeats_no_gaps(run_dir: Path) -> None:
 def reference(prepared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     """Per-step losses of an uninterrupted run."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    train(prepared_data, run_dir, STEPS)
+    train_here(prepared_data, run_dir, STEPS)
     assert_no_repeats_no_gaps(run_dir)
     return losses(run_dir)
 
@@ -107,11 +132,12 @@ def test_elastic_resume_from_two_ranks_to_one(
     args = overrides(prepared_data, run_dir, "train.steps=2", *SAME_SCHEDULE)
     first = torchrun(2, "--config", str(TINY), *args, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "bus bandwidth" in first.stderr  # rank 0's startup all-reduce sweep
     assert sorted(p.name for p in run_dir.glob("ledger-rank*")) == [
         "ledger-rank0.jsonl",
         "ledger-rank1.jsonl",
     ]
-    train(prepared_data, run_dir, STEPS)  # one process, same global batch
+    train_here(prepared_data, run_dir, STEPS)  # one process, same global batch
     assert_no_repeats_no_gaps(run_dir)
     # The same samples and per-sample noise: only the gradient reduction order differs.
     for step, (loss, grad_norm) in losses(run_dir).items():
