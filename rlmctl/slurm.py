@@ -1,9 +1,11 @@
 """`rlmctl slurm`: an sbatch script for sites where Slurm, not SSH, starts the job.
 
 One srun task per node runs torchrun; the c10d rendezvous sits on the allocation's first node and
-the job id is the rendezvous id. Slurm's `--signal=USR1@120` asks the trainer for a clean
-checkpoint-and-exit before the time limit; exit code 75 (preempted) requeues the job, which then
-resumes from the newest checkpoint in the same run directory.
+the job id is the rendezvous id. Slurm's `--signal=TERM@120` reaches torchrun on every node two
+minutes before the time limit; torchrun passes SIGTERM on to its workers, which finish the step,
+save a checkpoint and exit. torchrun's own exit code cannot tell that from a crash, so the script
+asks the run directory (`stopped_before_end`) and requeues the job, which then resumes from the
+newest checkpoint in the same run directory.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def render(
         f"--gpus-per-node={gpus_per_node}",
         f"--time={time_limit}",
         f"--output={run_dir}/slurm-%j.out",
-        "--signal=USR1@120",
+        "--signal=TERM@120",
         "--requeue",
     ]
     if partition:
@@ -60,9 +62,11 @@ srun --kill-on-bad-exit=1 {q(host.python)} -m torch.distributed.run \\
   -m trainer train --config {q(str(config.resolve()))} run_dir="$RUN_DIR"
 status=$?
 set -e
-# 75 = preempted after a checkpoint: go back to the queue and resume from it.
-if [ "$status" -eq 75 ]; then
+# Stopped on the time-limit signal after a checkpoint: go back to the queue and resume from it.
+if {q(host.python)} -c 'import sys; from trainer.rundir import RunDir, stopped_before_end; \
+sys.exit(0 if stopped_before_end(RunDir(sys.argv[1]).read_status()) else 1)' "$RUN_DIR"; then
   scontrol requeue "$SLURM_JOB_ID"
+  exit 0
 fi
 exit "$status"
 """

@@ -18,7 +18,7 @@ from rlmctl.inventory import Inventory
 from rlmctl.launch import GateRefused, Say, Started
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet
-from trainer.rundir import CheckpointInfo, RunDir, verify_checkpoint
+from trainer.rundir import CheckpointInfo, RunDir, stopped_before_end, verify_checkpoint
 
 
 def resume_checkpoint(run: RunDir, say: Say) -> CheckpointInfo | None:
@@ -159,6 +159,10 @@ def _watch_once(
                 registry.set_state(name, "done", f"finished at step {progress.get('step')}")
                 say(f"run {name} done at step {progress.get('step')}")
                 return None, set(), 0
+            if fresh and stopped_before_end(progress):
+                # Saved and exited on a signal rlmctl did not send (preemption): resume it.
+                step = progress.get("step")
+                return f"trainer stopped on a signal at step {step} (preempted)", set(), None
             code = launch.exit_code(run, sorted(dead), since)
             return "all trainer processes exited", set(), code
         if dead:

@@ -13,6 +13,7 @@ from trainer.rundir import (
     checkpoint_dir_name,
     read_json,
     read_jsonl,
+    stopped_before_end,
     verify_checkpoint,
     write_manifest,
 )
@@ -106,5 +107,13 @@ def test_manifest_step_must_match_directory(tmp_path: Path) -> None:
 
 
 def test_exit_codes_tell_what_can_be_restarted() -> None:
-    assert ExitCode.FAILED.restartable and ExitCode.PREEMPTED.restartable
+    assert ExitCode.FAILED.restartable
     assert not ExitCode.BAD_CONFIG.restartable and not ExitCode.OK.restartable
+
+
+def test_a_stop_before_the_last_step_is_resumable() -> None:
+    assert stopped_before_end({"state": "stopped", "step": 40, "max_steps": 100})
+    assert not stopped_before_end({"state": "stopped", "step": 100, "max_steps": 100})
+    assert not stopped_before_end({"state": "done", "step": 100, "max_steps": 100})
+    assert not stopped_before_end({"state": "stopped", "step": 40})
+    assert not stopped_before_end({})

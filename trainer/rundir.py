@@ -44,11 +44,23 @@ class ExitCode(IntEnum):
     BAD_CONFIG = 2  # user error in config or command line: a restart cannot help
     DATA_ERROR = 3  # data missing, corrupt or not matching the model: a restart cannot help
     NONFINITE = 4  # loss/gradients stayed non-finite past the rollback budget
-    PREEMPTED = 75  # EX_TEMPFAIL: saved and exited for preemption; resume when capacity returns
 
     @property
     def restartable(self) -> bool:
-        return self in (ExitCode.FAILED, ExitCode.PREEMPTED)
+        return self is ExitCode.FAILED
+
+
+def stopped_before_end(status: dict[str, Any]) -> bool:
+    """The trainer saved and exited 0 on SIGTERM/SIGUSR1 before its last step.
+
+    Exit code 0 alone cannot tell this from a finished run (and torchrun reports any stopped
+    worker as 0): whoever did not ask for the stop (a preemption, a scheduler's time limit)
+    should resume the run from its newest checkpoint.
+    """
+    try:
+        return status.get("state") == "stopped" and int(status["step"]) < int(status["max_steps"])
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

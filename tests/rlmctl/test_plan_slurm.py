@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from rlmctl import plan, slurm
 from rlmctl.inventory import load
 from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
+from trainer.rundir import RunDir
 
 
 def test_param_count_matches_the_real_model() -> None:
@@ -57,3 +61,38 @@ def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
     assert result.returncode == 0 and result.stdout.startswith("#!/bin/bash")
     missing = rlmctl("-i", str(local_inventory), "slurm", "--config", "nope.yaml")
     assert_one_line_error(missing, 2, "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    ("status", "requeued", "exit_code"),
+    [
+        ({"state": "stopped", "step": 40, "max_steps": 100}, True, 0),
+        ({"state": "done", "step": 100, "max_steps": 100}, False, 1),
+    ],
+)
+def test_slurm_script_requeues_only_a_run_stopped_before_its_end(
+    local_inventory: Path, tmp_path: Path, status: dict, requeued: bool, exit_code: int
+) -> None:
+    # srun and scontrol cannot run here: stand-ins on PATH play Slurm's part. srun exits 1 the
+    # way torchrun does after its workers were signalled; the run directory tells the rest.
+    host = load(local_inventory).select()[0]
+    script = slurm.render(REPO / "trainer/configs/tiny.yaml", "sl", 1, 1, None, "1:00:00", host)
+    run = RunDir(host.runs_dir / "sl").create()
+    run.write_status(**status)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NUM_NODES": "1",
+    }
+    result = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env)
+    assert result.returncode == exit_code, result.stderr
+    calls = (tmp_path / "scontrol.log").read_text()
+    assert ("requeue 42" in calls) is requeued

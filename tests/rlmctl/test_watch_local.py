@@ -3,6 +3,7 @@ exactly as a launch starts them: a hang (no step progress) and a non-restartable
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -67,3 +68,30 @@ def test_watch_gives_up_on_a_config_error_exit_code(local_inventory: Path) -> No
     assert "exit code 2 is not restartable" in result.stderr
     assert registry.run("badcfg")["state"] == "failed"
     assert registry.restarts("badcfg") == []
+
+
+def test_watch_resumes_a_run_preempted_by_a_signal_it_did_not_send(
+    local_inventory: Path,
+) -> None:
+    # The stand-in behaves like a trainer that got SIGTERM from a scheduler: it records a clean
+    # stop before its last step and exits 0. It waits for `go` so that its status is newer than
+    # the launch record.
+    write_status = (
+        "from trainer.rundir import RunDir; "
+        "RunDir('.').write_status(state='stopped', step=5, max_steps=10, exit_code=0)"
+    )
+    argv = [
+        "sh",
+        "-c",
+        f'while [ ! -e go ]; do sleep 0.1; done; exec "{sys.executable}" -c "{write_status}"',
+    ]
+    registry, run = start_standin(local_inventory, "preempted", argv)
+    (run.path / "go").touch()
+    result = rlmctl(
+        "-i", str(local_inventory), "watch", "preempted", "--poll", "0.5", "--restarts", "0"
+    )
+    assert result.returncode == 1, result.stderr
+    assert "trainer stopped on a signal at step 5 (preempted)" in result.stderr
+    # Restartable: watch gets as far as its restart budget instead of giving up on exit code 0.
+    assert "giving up: restart budget of 0 used up" in result.stderr
+    assert any("preempted" in e["message"] for e in registry.events("preempted"))
