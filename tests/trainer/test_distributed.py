@@ -17,15 +17,6 @@ from trainer.rundir import ExitCode, RunDir
 from trainer.train import train
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    # A shared 2-core box: two intra-op threads per process only fight over the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def param_count(cfg_overrides: list[str], data: Path, tmp: Path) -> int:
     return RecurrentLM(tiny_config(data, tmp, *cfg_overrides).model).param_counts().total
 

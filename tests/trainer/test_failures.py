@@ -23,15 +23,6 @@ from trainer.train import train
 GLOBAL_BATCH = 8  # training_runs.FAST
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    # A shared 2-core box: two intra-op threads per process only fight over the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def train_steps(run: RunDir) -> list[int]:
     return [r["step"] for r in run.read_metrics() if r["kind"] == "train"]
 

@@ -16,15 +16,6 @@ from trainer.model import RecurrentLM, model_config
 TINY = model_config("tiny")  # d=64, mlp 176, prelude/core/coda 1/2/1, vocab 4096
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second OpenMP thread only adds barrier waits, badly so on a busy host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_hand_computed_tiny_example() -> None:
     d, mlp, vocab, t = 64, 176, 4096, 16
     block = 3 * d * d + d * d + 2 * d * mlp + mlp * d + 4 * d  # qkv, out, gate/up, down, 4 norms

@@ -21,15 +21,6 @@ def model() -> RecurrentLM:
     return RecurrentLM(TINY)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second OpenMP thread only adds barrier waits, badly so on a busy host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def batch(b: int = 2, t: int = 16) -> torch.Tensor:
     return torch.randint(0, TINY.vocab_size, (b, t), generator=torch.Generator().manual_seed(1))
 

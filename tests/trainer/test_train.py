@@ -13,7 +13,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.trainer.training_runs import (
@@ -34,15 +33,6 @@ TRAIN_FIELDS = {
     "data_time", "recurrence", "backprop_depth", "comm_bytes", "comm_wire_bytes", "tflops",
     "mfu", "peak_memory_bytes", "loss_scale", "time",
 }  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    # A shared 2-core box: two intra-op threads per process only fight over the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_loss_falls_and_the_run_directory_is_complete(prepared_data: Path, tmp_path: Path) -> None:
