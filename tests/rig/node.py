@@ -18,10 +18,14 @@ from pathlib import Path
 from tests.rig.errors import RigError
 from tests.rig.layout import Layout
 
-# Runs as `sh -c SCRIPT holder NAME MERGED UPPER WORK STATE_DIR`, already inside the new namespaces.
+# The project checkout: its venv and code run inside the hosts.
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+# Runs as `sh -c SCRIPT holder NAME MERGED UPPER WORK STATE_DIR CHECKOUT`, already inside the new
+# namespaces.
 _HOLDER_SCRIPT = r"""
 set -eu
-name=$1 m=$2 upper=$3 work=$4 state=$5
+name=$1 m=$2 upper=$3 work=$4 state=$5 checkout=$6
 hostname "$name"
 mount -t overlay overlay -o "lowerdir=/,upperdir=$upper,workdir=$work" "$m"
 mount -t proc proc "$m/proc"
@@ -33,6 +37,15 @@ mount -t tmpfs -o mode=1777 tmpfs "$m/dev/shm"
 mount -t tmpfs -o mode=1777 tmpfs "$m/tmp"
 mount -t tmpfs -o mode=0755 tmpfs "$m/run"
 mkdir -p "$m/run/sshd"
+# A checkout under one of the directories just replaced (CI may clone into /tmp) stays visible at
+# its own path, read-only; elsewhere the overlay already shows it.
+case "$checkout" in
+/tmp/* | /run/* | /dev/shm/*)
+    mkdir -p "$m$checkout"
+    mount --bind "$checkout" "$m$checkout"
+    mount -o remount,bind,ro "$m$checkout"
+    ;;
+esac
 # Hide the rig's state directory (other hosts' upper dirs), then show only the shared directory
 # (read-write) and the operator files (read-only) at the paths they have on the real host.
 mount -t tmpfs -o mode=0755 tmpfs "$m$state"
@@ -91,7 +104,7 @@ def start_holder(layout: Layout, name: str, netns: str) -> subprocess.Popen[str]
     namespaces = ["nsenter", f"--net=/run/netns/{netns}", "--", "unshare", "--mount", "--uts"]
     namespaces += ["--propagation", "slave", "--"]
     script_args = [name, *(str(node_dir / sub) for sub in ("merged", "upper", "work"))]
-    script_args.append(str(layout.state_dir))
+    script_args += [str(layout.state_dir), str(CHECKOUT)]
     log = open(node_dir / "holder.log", "w")  # noqa: SIM115 - handed to the child
     with log:
         return subprocess.Popen(
