@@ -64,6 +64,15 @@ def test_health_on_three_hosts_is_ok(rig) -> None:
         assert states["reachable"] == states["shared_fs"] == states["python_env"] == "OK"
 
 
+def test_deep_health_all_reduces_across_the_hosts(rig) -> None:
+    # One rank per host (rlm_gpus_per_node=1), torchrun over real SSH, gloo over the rig network.
+    code, report = health_json(rig.inventory_path, "--deep")
+    assert code == 0, report
+    allreduce = report["deep"]["allreduce"]
+    assert allreduce["world"] == 3 and allreduce["backend"] == "gloo" and allreduce["correct"]
+    assert allreduce["busbw_gbps"] > 0 and report["deep"]["ok"]
+
+
 def test_broken_hosts_are_critical_with_the_reason(make_rig, tmp_path: Path) -> None:
     rig = make_rig(4)
     shared = rig.shared_dir
