@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Python puts bench/ first on sys.path; a bench script named after a package (bench/ansible.py)
-# would shadow it, so import from the repository root only.
-sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
+sys.path.insert(0, str(REPO))  # `python bench/fanout.py` puts only bench/ on the path
 
 from tests.rig import Rig  # noqa: E402
 

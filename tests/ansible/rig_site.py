@@ -1,0 +1,100 @@
+"""Apply the site playbook for real to rig hosts: the inventory, wheelhouse and site stack it needs.
+
+Shared by the rig tests and bench/provisioning.py. Rig hosts are Debian bookworm network namespaces
+with overlay roots and no systemd: GPU roles skip (vendor none), services run through
+rlm_service's pidfile fallback, Lustre is off (the rig's shared directory stands in for it).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.ansible.playbook_run import REPO
+from tests.rig import Rig
+
+VENV = "/opt/rlm/venv"
+BUNDLE_VERSION = "0.1.0"
+
+
+def build_wheelhouse(out: Path) -> Path:
+    """The bundle's wheel, built from a copy of the sources (no build artefacts in the repo)."""
+    src = out.parent / "bundle-src"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    for package in ("trainer", "rlmctl", "monitoring"):
+        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out
+
+
+def build_site_stack(shared_dir: Path) -> Path:
+    """A software stack holding torch and the bundle's other dependencies, on the shared directory.
+
+    Stands in for a site's prebuilt stack (or a vendor image's site-packages): links to this
+    interpreter's packages, minus the bundle itself, which trainer_env installs from the wheelhouse.
+    """
+    stack = shared_dir / "site-stack"
+    stack.mkdir(exist_ok=True)
+    site_packages = Path(sysconfig.get_paths()["purelib"])
+    for entry in site_packages.iterdir():
+        if entry.name.startswith(("rlm_ops", "__editable__", "_rlm_ops")):
+            continue
+        link = stack / entry.name
+        if not link.exists():
+            link.symlink_to(entry)
+    return stack
+
+
+def site_inventory(rig: Rig, wheelhouse: Path, stack: Path) -> dict[str, Any]:
+    inventory = yaml.safe_load(rig.inventory_path.read_text())
+    public_key = rig.ssh_key_path.with_suffix(".pub").read_text().strip()
+    inventory["all"]["vars"].update(
+        {
+            "rlm_venv": VENV,
+            "rlm_shared_fs": "none",
+            "rlm_operator_keys": [public_key],
+            "rlm_wheelhouse": str(wheelhouse),
+            "trainer_env_torch_source": "site",
+            "trainer_env_site_dirs": [str(stack)],
+            # Only what the rig's root (the real host's /) already has: no network from nodes.
+            "common_packages": ["procps", "iproute2", "nftables"],
+            "common_update_cache": False,
+            "common_time_sync": "none",
+            # vm.* and kernel.* are not per network namespace: writing them would change the
+            # real host. The file is written; loading it is left to a real node's boot.
+            "common_sysctl_apply": False,
+            "firewall_install_package": False,
+            "node_exporter_install_package": False,
+            "prometheus_install_package": False,
+            "alertmanager_install_package": False,
+            "rlm_exporter_run_root": str(rig.shared_dir / "runs"),
+            "rlm_exporter_gpu_source": "none",
+        }
+    )
+    return inventory

@@ -1,0 +1,62 @@
+"""Every playbook passes --syntax-check; every role has the Galaxy layout and documents each
+default it defines; the example inventory has the groups and variables rlmctl and the roles read."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.ansible.playbook_run import BIN, PLAYBOOKS, REPO
+
+ROLES = sorted(p for p in (REPO / "roles").iterdir() if p.is_dir())
+PLATFORMS = {"Ubuntu": {"jammy", "noble"}, "EL": {"8", "9"}}
+
+
+def test_every_playbook_passes_syntax_check() -> None:
+    playbooks = sorted(PLAYBOOKS.glob("*.yml"))
+    proc = subprocess.run(
+        [str(BIN / "ansible-playbook"), "--syntax-check", "-i", "inventory/example"]
+        + [str(p) for p in playbooks],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(playbooks) >= 8
+    for playbook in playbooks:
+        assert f"playbook: {playbook}" in proc.stdout
+
+
+@pytest.mark.parametrize("role", ROLES, ids=lambda p: p.name)
+def test_role_layout_and_documented_defaults(role: Path) -> None:
+    meta = yaml.safe_load((role / "meta/main.yml").read_text())
+    platforms = {p["name"]: set(map(str, p["versions"])) for p in meta["galaxy_info"]["platforms"]}
+    for name, versions in PLATFORMS.items():
+        assert versions <= platforms.get(name, set()), (role.name, platforms)
+    assert (role / "tasks/main.yml").is_file()
+    defaults = yaml.safe_load((role / "defaults/main.yml").read_text()) or {}
+    specs = yaml.safe_load((role / "meta/argument_specs.yml").read_text())
+    options = specs["argument_specs"]["main"]["options"]
+    assert set(defaults) <= set(options), set(defaults) - set(options)
+    for name in defaults:
+        assert name.startswith(f"{role.name}_"), name
+    # Each default carries a comment in defaults/main.yml or a description in the spec.
+    assert all(options[name].get("description") for name in defaults)
+
+
+def test_example_inventory_shape() -> None:
+    example = REPO / "inventory" / "example"
+    hosts = yaml.safe_load((example / "hosts.yml").read_text())["all"]["children"]
+    assert set(hosts["compute"]["children"]) == {"compute_amd", "compute_nvidia"}
+    assert hosts["mgmt"]["hosts"]
+    group_vars = {
+        p.stem: yaml.safe_load(p.read_text()) for p in (example / "group_vars").glob("*.yml")
+    }
+    for knob in ("rlm_gpus_per_node", "rlm_shared_dir", "rlm_venv", "rlm_comm_env"):
+        assert knob in group_vars["all"], knob
+    assert group_vars["compute_amd"]["rlm_gpu_vendor"] == "amd"
+    assert group_vars["compute_nvidia"]["rlm_gpu_vendor"] == "nvidia"
