@@ -16,6 +16,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+# ansible-core (loaded in-process by the rlmctl and monitoring tests) replaces sys.intern with a
+# callable object when it is imported; torch._dynamo, which torch imports lazily (checkpointing,
+# the FLOP counter, the meta device), then refuses to register a substitute for it. Outside the
+# tests no process needs both (rlmctl loads ansible but no dynamo), so import dynamo first here.
+import torch._dynamo  # noqa: F401
+
 from tests.rig import Rig
 from tests.rig.layout import MAX_SLOTS
 

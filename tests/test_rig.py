@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -278,26 +280,31 @@ def test_a_bad_rig_id_is_a_one_line_error() -> None:
 
 
 def test_running_without_root_says_why() -> None:
-    if os.geteuid() == 0:
-        # /root (and so the venv's interpreter) is closed to nobody: use the system python; the
-        # CLI needs only the standard library up to its root check.
-        argv = [
-            "setpriv",
-            "--reuid=nobody",
-            "--regid=nogroup",
-            "--clear-groups",
-            "/usr/bin/python3",
-        ]
-    else:
-        argv = [sys.executable]
-    result = subprocess.run(
-        [*argv, "-m", "tests.rig", "up", "3"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin", "RLM_RIG_ID": os.environ.get("RLM_RIG_ID", "0")},
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = REPO
+        if os.geteuid() == 0:
+            # /root (and so the venv's interpreter) is closed to nobody: use the system python;
+            # the CLI needs only the standard library up to its root check. The checkout may be
+            # closed to nobody too (a clone under `mktemp -d`): run a world-readable copy.
+            cwd = Path(tmp) / "checkout"
+            shutil.copytree(REPO / "tests" / "rig", cwd / "tests" / "rig")
+            shutil.copy(REPO / "tests" / "__init__.py", cwd / "tests")
+            (cwd / "trainer").mkdir()
+            for name in ("__init__.py", "rundir.py"):
+                shutil.copy(REPO / "trainer" / name, cwd / "trainer")
+            subprocess.run(["chmod", "-R", "a+rX", tmp], check=True)
+            argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+            argv.append("/usr/bin/python3")
+        else:
+            argv = [sys.executable]
+        result = subprocess.run(
+            [*argv, "-m", "tests.rig", "up", "3"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin", "RLM_RIG_ID": os.environ.get("RLM_RIG_ID", "0")},
+        )
     assert result.returncode == 2
     assert result.stderr == (
         "error: the rig needs root (network namespaces, mounts, sshd on port 22); run it as root\n"
