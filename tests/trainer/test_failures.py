@@ -6,15 +6,20 @@ from __future__ import annotations
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.trainer.training_runs import REPO, TINY, cli_env, overrides, tiny_config, torchrun
+from tests.trainer.training_runs import (
+    REPO,
+    TINY,
+    overrides,
+    start_training,
+    tiny_config,
+    torchrun,
+)
 from trainer.config import CommConfig
 from trainer.distributed import DistEnv, describe_peer_timeout
 from trainer.rundir import ExitCode, RunDir, read_jsonl
@@ -189,13 +194,7 @@ def test_sigterm_during_setup_exits_cleanly_before_the_first_step(
         run = RunDir(tmp_path / f"run-{_attempt}")
         assert train(tiny_config(prepared_data, run.path, "train.steps=1")) == ExitCode.OK
         args = overrides(prepared_data, run.path, "train.steps=4")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer", "train", "--config", str(TINY), *args],
-            cwd=REPO,
-            env=cli_env(),
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc = start_training(*args)
         try:
             deadline = time.monotonic() + 120
             while run.read_status().get("state") != "starting":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,10 @@ import pytest
 import torch
 
 from tests.trainer.training_runs import (
-    REPO,
     TINY,
-    cli_env,
     overrides,
     run_cli,
+    start_training,
     tiny_config,
     torchrun,
 )
@@ -94,13 +92,7 @@ def test_sigterm_saves_and_resume_continues_bit_for_bit(
 ) -> None:
     run_dir = tmp_path / "run"
     args = overrides(prepared_data, run_dir, f"train.steps={STEPS}", *SAME_SCHEDULE)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer", "train", "--config", str(TINY), *args],
-        cwd=REPO,
-        env=cli_env(),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_training(*args)
     try:
         deadline = time.monotonic() + 240
         while not losses(run_dir) and time.monotonic() < deadline:  # the first step is done

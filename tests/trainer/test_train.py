@@ -7,8 +7,6 @@ import json
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -17,11 +15,10 @@ import torch
 
 from tests.trainer.training_runs import (
     REPO,
-    TINY,
-    cli_env,
     final_weights,
     free_port,
     overrides,
+    start_training,
     tiny_config,
 )
 from trainer.config import load_config
@@ -148,14 +145,7 @@ def test_metrics_endpoint_then_sigterm_saves_and_exits_zero(
         "eval.depths=1",
         "eval.batches=1",
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer", "train", "--config", str(TINY), *args],
-        cwd=REPO,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_training(*args)
     try:
         deadline = time.monotonic() + 120
         body = ""

@@ -52,6 +52,18 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     )
 
 
+def start_training(*args: str) -> subprocess.Popen[str]:
+    """`python -m trainer train --config tiny.yaml ARGS` in the background with stderr piped, for
+    tests that signal or watch a run while it trains."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer", "train", "--config", str(TINY), *args],
+        cwd=REPO,
+        env=cli_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def torchrun(
     nproc: int, *train_args: str, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
