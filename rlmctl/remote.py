@@ -197,15 +197,7 @@ class Fleet:
                 command, hide=True, warn=True, in_stream=False, timeout=timeout, pty=False
             )
         except CommandTimedOut as error:
-            return Result(
-                host.name,
-                False,
-                None,
-                time.monotonic() - started,
-                stdout=error.result.stdout,
-                stderr=error.result.stderr,
-                error=f"timed out after {timeout:g} s; raise --timeout or check the host's load",
-            )
+            return _timed_out(host, started, timeout, error.result.stdout, error.result.stderr)
         except Exception:
             # Forget a broken connection so that the next command on this host reconnects.
             with self._lock:
@@ -221,6 +213,19 @@ class Fleet:
         )
 
 
+def _timed_out(host: Host, started: float, timeout: float, stdout: str, stderr: str) -> Result:
+    """The result of a command that ran past its timeout, over either transport."""
+    return Result(
+        host.name,
+        False,
+        None,
+        time.monotonic() - started,
+        stdout,
+        stderr,
+        f"timed out after {timeout:g} s; raise --timeout or check the host's load",
+    )
+
+
 def _run_local(host: Host, command: str, timeout: float, started: float) -> Result:
     try:
         completed = subprocess.run(
@@ -232,15 +237,7 @@ def _run_local(host: Host, command: str, timeout: float, started: float) -> Resu
             check=False,
         )
     except subprocess.TimeoutExpired as error:
-        return Result(
-            host.name,
-            False,
-            None,
-            time.monotonic() - started,
-            _text(error.stdout),
-            _text(error.stderr),
-            f"timed out after {timeout:g} s; raise --timeout or check the host's load",
-        )
+        return _timed_out(host, started, timeout, _text(error.stdout), _text(error.stderr))
     return Result(
         host.name,
         completed.returncode == 0,
