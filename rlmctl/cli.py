@@ -1,22 +1,23 @@
 """`rlmctl`: operate depth-recurrent LM training runs on a cluster described by an Ansible inventory.
 
 Global options (-i, --limit, --exclude, --forks, --timeout) may stand before or after the command.
-Exit codes: 0 ok, 1 some hosts failed or a check is critical, 2 usage or input error. Heavy
-modules (ansible, fabric, torch) are imported inside the commands that need them.
+Exit codes: 0 ok, 1 some hosts failed or a check is critical, 2 usage or input error, 130
+interrupted. Heavy modules (ansible, fabric, torch) are imported inside the commands that need
+them. Commands get typed records from the modules below and hand them to rlmctl.render.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from rlmctl.errors import RlmctlError
+from rlmctl import render
+from rlmctl.errors import RlmctlError, RunNotFound
+from rlmctl.records import Launched
 
 app = typer.Typer(
     name="rlmctl",
@@ -25,8 +26,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-STATE_STYLE = {"OK": "green", "WARN": "yellow", "CRIT": "bold red", "UNKNOWN": "magenta"}
 
 
 @dataclass
@@ -57,30 +56,15 @@ class Session:
         connect = max(1, min(DEFAULT_CONNECT_TIMEOUT_S, int(self.timeout)))
         return Fleet(self.hosts() if hosts is None else hosts, self.forks, self.timeout, connect)
 
-    def registry(self) -> Any:
+    def registry(self, readonly: bool = False) -> Any:
+        """Read commands pass readonly: they never create, migrate or write the registry."""
         from rlmctl.launch import open_registry
 
-        return open_registry(self.hosts())
+        return open_registry(self.hosts(), readonly=readonly)
 
 
 def _session(ctx: typer.Context) -> Session:
     return ctx.obj
-
-
-def _console(stderr: bool = False) -> Any:
-    from rich.console import Console
-
-    return Console(stderr=stderr, highlight=False)
-
-
-def _say() -> Any:
-    """Progress lines: to stderr, so that --json keeps stdout machine-readable."""
-    console = _console(stderr=True)
-    return lambda message: console.print(message, markup=False, soft_wrap=True)
-
-
-def _emit_json(data: Any) -> None:
-    print(json.dumps(data, indent=1, default=str))
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -118,32 +102,14 @@ def inventory_cmd(ctx: typer.Context, json_output: JsonOpt = False) -> None:
     """Show the selected hosts with their connection and bundle variables."""
     session = _session(ctx)
     hosts = session.hosts()
+    source = str(session.inventory().source)
     if json_output:
         groups = session.inventory().groups
-        _emit_json(
-            {
-                "source": str(session.inventory().source),
-                "groups": groups,
-                "hosts": [h.as_dict() for h in hosts],
-            }
+        render.emit_json(
+            {"source": source, "groups": groups, "hosts": [h.as_dict() for h in hosts]}
         )
-        return
-    from rich.table import Table
-
-    table = Table(title=f"{len(hosts)} host(s) from {session.inventory().source}")
-    for column in ("host", "address", "user", "connection", "groups", "gpus", "shared dir"):
-        table.add_column(column)
-    for h in hosts:
-        table.add_row(
-            h.name,
-            f"{h.address}:{h.port}",
-            h.user or "",
-            h.connection,
-            ",".join(h.groups),
-            f"{h.gpus_per_node} {h.gpu_vendor}",
-            h.shared_dir,
-        )
-    _console().print(table)
+    else:
+        render.inventory(source, hosts)
 
 
 @app.command()
@@ -167,39 +133,15 @@ def health(
 
             deep_result = deep_checks.run(fleet, [h for h in hosts if h.name in report.healthy])
     if json_output:
-        _emit_json(report.as_dict() | ({"deep": deep_result.as_dict()} if deep_result else {}))
+        render.emit_json(
+            report.as_dict() | ({"deep": deep_result.as_dict()} if deep_result else {})
+        )
     else:
-        _print_health(report)
+        render.health(report)
         if deep_result:
-            _console().print(deep_result.summary(), markup=False)
+            render.line(deep_result.summary())
     critical = report.state == "CRIT" or (deep_result is not None and not deep_result.ok)
     raise typer.Exit(1 if critical else 0)
-
-
-def _print_health(report: Any) -> None:
-    """One row per host that needs attention (every host when the fleet is small), then the
-    detail and fix of each non-OK check."""
-    from rich.table import Table
-
-    console = _console()
-    shown = [h for h in report.hosts if h.state != "OK" or len(report.hosts) <= 20]
-    table = Table(title=f"health of {len(report.hosts)} host(s): {report.state}")
-    for column in ("host", "state", "round trip", "not OK"):
-        table.add_column(column)
-    for host in shown:
-        problems = ", ".join(f"{c.name} {c.state}" for c in host.checks if c.state != "OK")
-        style = STATE_STYLE[host.state]
-        table.add_row(host.host, f"[{style}]{host.state}[/]", f"{host.duration:.2f} s", problems)
-    console.print(table)
-    hidden = len(report.hosts) - len(shown)
-    if hidden:
-        console.print(f"{hidden} more host(s) OK", markup=False)
-    for host in report.hosts:
-        for check in host.checks:
-            if check.state != "OK":
-                fix = f" → {check.fix}" if check.fix else ""
-                line = f"{host.host}: {check.name} {check.state}: {check.detail}{fix}"
-                console.print(line, markup=False, soft_wrap=True)
 
 
 # launch / status / logs / stop ----------------------------------------------------------------------
@@ -235,76 +177,32 @@ def launch(
             nodes,
             force,
             overrides or [],
-            _say(),
+            render.say(),
         )
+    launched = Launched(run_name, str(run.path), started.hosts, started.rdzv_endpoint)
     if json_output:
-        _emit_json(
-            {
-                "run": run_name,
-                "run_dir": str(run.path),
-                "hosts": started.hosts,
-                "rdzv_endpoint": started.rdzv_endpoint,
-            }
-        )
+        render.emit_json(launched)
     else:
-        _console().print(
+        render.line(
             f"launched {run_name} on {len(started.hosts)} host(s); follow it with "
-            f"`rlmctl status {run_name}`, `rlmctl logs {run_name} -f` or `rlmctl watch {run_name}`",
-            markup=False,
+            f"`rlmctl status {run_name}`, `rlmctl logs {run_name} -f` or `rlmctl watch {run_name}`"
         )
 
 
 @app.command()
 def status(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
-    """Processes per host and progress from the run directory; exit 1 unless running or done."""
+    """State of record, processes per host and progress; exit 1 when the run failed or its
+    processes disagree with its state. Reads only."""
     from rlmctl import launch as launching
 
     session = _session(ctx)
-    with session.registry() as registry, session.fleet([]) as fleet:
+    with session.registry(readonly=True) as registry, session.fleet([]) as fleet:
         info = launching.status(fleet, registry, session.inventory(), run)
     if json_output:
-        _emit_json(info)
+        render.emit_json(info)
     else:
-        _print_status(info)
-    raise typer.Exit(0 if info["state"] in ("running", "done", "stopped") else 1)
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
-
-
-def _print_status(info: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    console = _console()
-    table = Table(title=f"run {info['run']}: {info['state']}")
-    for column in ("host", "alive", "processes", "error"):
-        table.add_column(column)
-    for host, p in info["hosts"].items():
-        alive = {True: "[green]yes[/]", False: "[red]no[/]", None: "[magenta]?[/]"}[p["alive"]]
-        table.add_row(
-            host,
-            alive,
-            str(p["processes"] if p["processes"] is not None else "-"),
-            p["error"] or "",
-        )
-    console.print(table)
-    checkpoint = info["checkpoint"]
-    updated = time.time() - info["updated"] if info["updated"] else None
-    lines = [
-        f"step {info['step']}/{info['max_steps']}  loss {_fmt(info['loss'])}  "
-        f"tokens/s {_fmt(info['tokens_per_s'])}  updated {_age(updated)} ago",
-        f"last checkpoint: {checkpoint['path'] + ' (' + _age(checkpoint['age_s']) + ' old)' if checkpoint else 'none'}",
-        f"restarts: {info['restarts']}   run dir: {info['run_dir']}",
-    ]
-    for line in lines:
-        console.print(line, markup=False)
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value if value is not None else "-")
+        render.status(info)
+    raise typer.Exit(0 if info.ok else 1)
 
 
 @app.command()
@@ -321,7 +219,7 @@ def logs(
     from rlmctl import logs as run_logs
 
     session = _session(ctx)
-    with session.registry() as registry:
+    with session.registry(readonly=True) as registry:
         paths = run_logs.log_paths(registry, run, host)
     run_logs.show(paths, lines, follow, sys.stdout)
 
@@ -335,7 +233,8 @@ def stop(
     ] = 60.0,
     json_output: JsonOpt = False,
 ) -> None:
-    """Stop a run on every host; verifies that none of its processes remain."""
+    """Stop a run on every host; verifies that none of its processes remain. A run that has
+    already ended is left as it is."""
     from rlmctl import launch as launching
 
     session = _session(ctx)
@@ -344,18 +243,10 @@ def stop(
         with session.fleet(hosts) as fleet:
             outcome = launching.stop(fleet, registry, run, timeout)
     if json_output:
-        _emit_json(outcome)
+        render.emit_json(outcome)
     else:
-        console = _console()
-        for host, result in outcome.items():
-            if result["ok"]:
-                console.print(
-                    f"{host}: stopped ({result['found']} process(es), {result['killed']} needed SIGKILL)",
-                    markup=False,
-                )
-            else:
-                console.print(f"{host}: FAILED: {result['error']}", markup=False)
-    raise typer.Exit(0 if all(r["ok"] for r in outcome.values()) else 1)
+        render.stopped(outcome)
+    raise typer.Exit(0 if outcome.ok else 1)
 
 
 # resume / watch -----------------------------------------------------------------------------------
@@ -372,12 +263,11 @@ def resume(
     excluded = set()
     if session.exclude:
         excluded = {h.name for h in session.inventory().select(session.exclude)}
-    say = _say()
     with session.registry() as registry, session.fleet([]) as fleet:
-        started = supervise.resume(fleet, session.inventory(), registry, run, excluded, say, force)
-    _console().print(
-        f"resumed {run} on {len(started.hosts)} host(s): {', '.join(started.hosts)}", markup=False
-    )
+        started = supervise.resume(
+            fleet, session.inventory(), registry, run, excluded, render.say(), force
+        )
+    render.line(f"resumed {run} on {len(started.hosts)} host(s): {', '.join(started.hosts)}")
 
 
 @app.command()
@@ -401,40 +291,38 @@ def watch(
         poll_s=poll, stall_s=stall, max_restarts=restarts, backoff_s=backoff
     )
     with session.registry() as registry, session.fleet([]) as fleet:
-        code = supervise.watch(fleet, session.inventory(), registry, run, policy, _say())
+        code = supervise.watch(fleet, session.inventory(), registry, run, policy, render.say())
     raise typer.Exit(code)
 
 
 # registry views -----------------------------------------------------------------------------------
 @app.command()
 def runs(ctx: typer.Context, json_output: JsonOpt = False) -> None:
-    """Runs in the registry, oldest first."""
+    """Runs in the registry, oldest first, with their state from their run directories."""
+    from rlmctl import launch as launching
+
+    session = _session(ctx)
+    try:
+        with session.registry(readonly=True) as registry:
+            rows = launching.summaries(registry)
+    except RunNotFound:  # no registry yet
+        rows = []
+    if json_output:
+        render.emit_json(rows)
+    else:
+        render.runs(rows)
+
+
+@app.command()
+def reindex(ctx: typer.Context) -> None:
+    """Rebuild the registry (an index) from the run directories under rlm_shared_dir/runs."""
+    from rlmctl import launch as launching
+    from rlmctl.registry import reindex as rebuild
+
     session = _session(ctx)
     with session.registry() as registry:
-        rows = registry.runs()
-        for row in rows:
-            row["hosts"] = [h["host"] for h in registry.hosts(row["name"])]
-            row["restarts"] = len(registry.restarts(row["name"]))
-            row.pop("config")
-    if json_output:
-        _emit_json(rows)
-        return
-    from rich.table import Table
-
-    table = Table(title=f"{len(rows)} run(s)")
-    for column in ("run", "state", "hosts", "restarts", "created", "run dir"):
-        table.add_column(column)
-    for row in rows:
-        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created"]))
-        table.add_row(
-            row["name"],
-            row["state"],
-            str(len(row["hosts"])),
-            str(row["restarts"]),
-            created,
-            row["run_dir"],
-        )
-    _console().print(table)
+        added = rebuild(registry, launching.runs_root(session.hosts()))
+    render.line(f"indexed {len(added)} run(s): {', '.join(added) or '-'}")
 
 
 @app.command()
@@ -447,43 +335,18 @@ def checkpoints(
     json_output: JsonOpt = False,
 ) -> None:
     """A run's checkpoints with their verification; exit 1 when one is invalid."""
+    from rlmctl.launch import checkpoint_row
     from trainer.rundir import RunDir
 
     session = _session(ctx)
-    with session.registry() as registry:
+    with session.registry(readonly=True) as registry:
         run_dir = RunDir(registry.run(run)["run_dir"])
-    infos = run_dir.checkpoints(full=verify)
-    rows = [
-        {
-            "step": i.step,
-            "path": str(i.path),
-            "valid": i.valid,
-            "reason": i.reason,
-            "size_bytes": i.size_bytes,
-            "age_s": round(i.age_seconds, 1),
-        }
-        for i in infos
-    ]
+    rows = [checkpoint_row(info) for info in run_dir.checkpoints(full=verify)]
     if json_output:
-        _emit_json(rows)
+        render.emit_json(rows)
     else:
-        from rich.table import Table
-
-        table = Table(
-            title=f"{len(rows)} checkpoint(s) of {run} ({'sha256' if verify else 'sizes'} checked)"
-        )
-        for column in ("step", "valid", "size", "age", "path / reason"):
-            table.add_column(column)
-        for row in rows:
-            table.add_row(
-                str(row["step"]),
-                "[green]yes[/]" if row["valid"] else "[red]no[/]",
-                f"{row['size_bytes'] / 2**20:.1f} MiB",
-                _age(row["age_s"]),
-                row["path"] if row["valid"] else row["reason"],
-            )
-        _console().print(table)
-    raise typer.Exit(0 if all(r["valid"] for r in rows) else 1)
+        render.checkpoints(run, rows, verify)
+    raise typer.Exit(0 if all(r.valid for r in rows) else 1)
 
 
 # plan / slurm / demo ------------------------------------------------------------------------------
@@ -507,10 +370,10 @@ def plan(
 
     estimate = planning.estimate(model, params, gpu_mem, seq_len, micro_batch)
     if json_output:
-        _emit_json(estimate)
+        render.emit_json(estimate)
     else:
-        for line in planning.describe(estimate):
-            _console().print(line, markup=False)
+        for text in planning.describe(estimate):
+            render.line(text)
 
 
 @app.command()
@@ -601,3 +464,6 @@ def main(argv: list[str] | None = None) -> None:
     except RlmctlError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -74,7 +74,6 @@ def run(session: Any, steps: int) -> int:
             say("interrupted: stopping the run (the trainer saves a checkpoint first)")
             launch.stop(fleet, registry, name, timeout=30)
             return 130
-        registry.set_state(name, state, "demo finished")
     _report(run_dir, name, state, console)
     return 0 if state == "done" else 1
 
@@ -101,7 +100,7 @@ def _follow(fleet, registry, session, name, run_dir, steps, progress_cls, consol
             if status.get("state") in ("done", "failed", "stopped"):
                 return status["state"]
             alive = launch.processes(fleet, registry, name, run_dir, fleet.hosts)
-            if not any(p["alive"] for p in alive.values()):
+            if not any(p.alive for p in alive.values()):
                 status = run_dir.read_status()
                 return (
                     status.get("state") if status.get("state") in ("done", "stopped") else "failed"

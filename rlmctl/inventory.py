@@ -199,7 +199,23 @@ def load(source: str | Path) -> Inventory:
         ) from None
     if not hosts:
         raise InventoryError(f"inventory {source} has no hosts; add hosts or pass another -i")
+    _refuse_duplicates(hosts, source)
     return Inventory(source, manager, hosts)
+
+
+def _refuse_duplicates(hosts: dict[str, Host], source: Path) -> None:
+    """Two names for one SSH endpoint would start two trainers on one machine."""
+    seen: dict[tuple[str, int], str] = {}
+    for host in hosts.values():
+        if host.is_local:
+            continue
+        key = (host.address, host.port)
+        if key in seen:
+            raise InventoryError(
+                f"hosts {seen[key]} and {host.name} are both {host.address}:{host.port}; "
+                f"list each machine once in {source} (or give them distinct ansible_host)"
+            )
+        seen[key] = host.name
 
 
 def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:

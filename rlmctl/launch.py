@@ -1,15 +1,20 @@
 """Launch a run on the cluster, look at it, stop it.
 
-A launch: fast health gate → run directory on the shared filesystem (trainer.rundir contract) with
-the resolved config → registry entry → on every host, detached and in a session of its own,
-`torchrun` with a c10d rendezvous on the first host, running `python -m trainer train`. What was
-started (PID, PGID, command) goes to hosts/<host>/launch.json and to the registry; the exit code
-of torchrun to hosts/<host>/exit.json when it ends.
+A launch: fast health gate → run directory on the shared filesystem (trainer.rundir contract),
+created exclusively (mkdir) and filled with the effective config, then indexed in the registry →
+on every host, detached and in a session of its own, `torchrun` with a c10d rendezvous on the
+first host, running `python -m trainer train`. What was started (PID, PGID, command) goes to
+hosts/<host>/launch.json and to the registry; the exit code of torchrun to hosts/<host>/exit.json
+when it ends. A launch that stops before any host started (Ctrl-C, a failed start) removes what it
+made, so the name stays free.
+
+State changes are events in the run directory (`RunDir.record`); the registry holds no state.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import secrets
 import time
@@ -21,9 +26,23 @@ from typing import Any
 from rlmctl import health
 from rlmctl.errors import RlmctlError
 from rlmctl.inventory import Host, Inventory
+from rlmctl.records import (
+    CheckpointRow,
+    HostProcesses,
+    HostStop,
+    RunStatus,
+    RunSummary,
+    StopResult,
+)
 from rlmctl.registry import Registry, registry_path
 from rlmctl.remote import Fleet, Result, python_command
-from trainer.rundir import ExitCode, RunDir, read_json, write_json_atomic
+from trainer.rundir import (
+    ExitCode,
+    RunDir,
+    check_run_name,
+    read_json,
+    write_json_atomic,
+)
 
 Say = Callable[[str], None]
 
@@ -48,8 +67,8 @@ def runs_root(hosts: list[Host]) -> Path:
     return hosts[0].runs_dir
 
 
-def open_registry(hosts: list[Host]) -> Registry:
-    return Registry(registry_path(runs_root(hosts)))
+def open_registry(hosts: list[Host], readonly: bool = False) -> Registry:
+    return Registry(registry_path(runs_root(hosts)), readonly=readonly)
 
 
 def hostproc_command(host: Host, action: str, config: dict[str, Any]) -> str:
@@ -70,8 +89,14 @@ def parse_json_result(result: Result) -> dict[str, Any] | None:
 # config -------------------------------------------------------------------------------------------
 def resolve_config(config_file: Path, overrides: list[str], run_dir: Path, world: int) -> str:
     """The trainer's own parsing and validation (lazy: it imports torch), as YAML text."""
-    from trainer import config as trainer_config
-    from trainer.errors import UserError
+    try:
+        from trainer import config as trainer_config
+        from trainer.errors import UserError
+    except ImportError as error:
+        raise RlmctlError(
+            f"validating a trainer config needs the trainer ({error}); "
+            "install it on this machine: pip install 'rlm-ops[train]'"
+        ) from None
 
     try:
         cfg = trainer_config.load_config(config_file, [*overrides, f"run_dir={run_dir}"])
@@ -177,10 +202,13 @@ def start(
         record["rdzv_endpoint"] = endpoint
         write_json_atomic(run.launch_record_path(host.name), record)
         processes.append(record)
+    if not processes:
+        raise GateRefused(f"could not start on any host: {'; '.join(failures)}")
     launch_id = registry.record_launch(name, kind, processes, rdzv_id, endpoint)
+    run.record("launched", launch=kind, hosts=[p["host"] for p in processes], rdzv_id=rdzv_id)
     if failures:
         stop(fleet, registry, name, timeout=10)
-        registry.set_state(name, "failed", "start failed: " + "; ".join(failures))
+        run.record("launch_failed", reason="; ".join(failures))
         raise GateRefused(f"could not start on {len(failures)} host(s): {'; '.join(failures)}")
     return Started(launch_id, [h.name for h in hosts], endpoint)
 
@@ -199,17 +227,19 @@ def launch(
     if not Path(config_file).is_file():
         raise RlmctlError(f"config file {config_file} does not exist; pass --config FILE")
     name = name or f"{Path(config_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise RlmctlError(f"run name {name!r} may only use letters, digits, '-', '_' and '.'")
+    problem = check_run_name(name)
+    if problem:
+        raise RlmctlError(f"{problem}; pass another --name")
     if nodes is not None and not 1 <= nodes <= len(hosts):
         raise RlmctlError(f"--nodes {nodes}: the selection has {len(hosts)} host(s)")
     run = RunDir(runs_root(hosts) / name)
     registry = open_registry(hosts)
+    refusal = RlmctlError(
+        f"run {name!r} already exists ({run.path}); pick another --name or `rlmctl resume {name}`"
+    )
+    # A cheap early answer; the exclusive create below is what decides.
     if run.path.exists() or any(r["name"] == name for r in registry.runs()):
-        raise RlmctlError(
-            f"run {name!r} already exists ({run.path}); pick another --name or "
-            f"`rlmctl resume {name}`"
-        )
+        raise refusal
     # Validate before touching any host: a bad config must not cost a health round trip.
     resolve_config(config_file, overrides, run.path, world_size(hosts[: nodes or len(hosts)]))
     healthy, _ = gate(fleet, hosts, force, say)
@@ -217,11 +247,30 @@ def launch(
     if nodes and len(chosen) < nodes:
         raise GateRefused(f"only {len(chosen)} healthy host(s), --nodes asks for {nodes}")
     config_text = resolve_config(config_file, overrides, run.path, world_size(chosen))
-    run.create()
-    run.config_path.write_text(config_text, encoding="utf-8")
-    registry.add_run(name, str(run.path), str(inventory.source), config_text)
-    say(f"run {name}: {run.path}")
-    started = start(fleet, registry, name, run, chosen, "launch", say)
+    record = {"inventory": str(inventory.source), "created": time.time(), "by": "rlmctl launch"}
+    try:
+        run.create_exclusive(config_text, record)
+    except FileExistsError:
+        raise refusal from None
+    except OSError as error:
+        raise RlmctlError(f"cannot create the run directory {run.path}: {error.strerror}") from None
+    try:
+        registry.add_run(name, str(run.path), str(inventory.source), record["created"])
+    except BaseException:
+        run.discard()
+        raise
+    try:
+        say(f"run {name}: {run.path}")
+        started = start(fleet, registry, name, run, chosen, "launch", say)
+    except BaseException:
+        # Nothing may outlive an interrupted launch: stop whatever did start, then free the name
+        # unless a trainer got as far as recording a start.
+        with contextlib.suppress(Exception):
+            stop(fleet, registry, name, timeout=10, hosts=chosen)
+        if not any(e.kind == "start" for e in run.events()):
+            registry.remove_run(name)
+            run.discard()
+        raise
     return name, run, started
 
 
@@ -240,7 +289,7 @@ def run_hosts(inventory: Inventory, registry: Registry, name: str) -> tuple[RunD
 
 def processes(
     fleet: Fleet, registry: Registry, name: str, run: RunDir, hosts: list[Host]
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, HostProcesses]:
     """Per host: alive (bool, or None when the host did not answer), process count, error."""
     records = {h["host"]: h for h in registry.hosts(name)}
 
@@ -255,11 +304,12 @@ def processes(
     out = {}
     for result in results:
         parsed = parse_json_result(result)
-        out[result.host] = {
-            "alive": parsed["alive"] if parsed else None,
-            "processes": len(parsed["processes"]) if parsed else None,
-            "error": None if parsed else result.reason,
-        }
+        out[result.host] = HostProcesses(
+            host=result.host,
+            alive=parsed["alive"] if parsed else None,
+            processes=len(parsed["processes"]) if parsed else None,
+            error=None if parsed else result.reason,
+        )
     return out
 
 
@@ -297,54 +347,91 @@ def restartable(code: int | None) -> bool:
         return True
 
 
-def status(fleet: Fleet, registry: Registry, inventory: Inventory, name: str) -> dict[str, Any]:
+def status(fleet: Fleet, registry: Registry, inventory: Inventory, name: str) -> RunStatus:
+    """The run's state of record with what its processes say; reads only."""
     run, hosts = run_hosts(inventory, registry, name)
-    entry = registry.run(name)
     procs = processes(fleet, registry, name, run, hosts)
-    progress = run.read_status()
+    progress = run.status()
+    state = run.state()
     latest = run.latest_valid_checkpoint()
-    alive = [h for h, p in procs.items() if p["alive"]]
-    unknown = [h for h, p in procs.items() if p["alive"] is None]
-    if alive and len(alive) == len(procs):
-        state = "running"
-    elif alive:
-        state = "degraded"
-    elif unknown:
-        state = "unknown"
-    else:
-        state = progress.get("state") if progress.get("state") in ("done", "stopped") else None
-        state = state or ("stopped" if entry["state"] == "stopped" else "dead")
-    if state in ("done", "dead") and entry["state"] != state:
-        registry.set_state(name, state, "observed by rlmctl status")
-    return {
-        "run": name,
-        "state": state,
-        "run_dir": str(run.path),
-        "hosts": procs,
-        "step": progress.get("step"),
-        "max_steps": progress.get("max_steps"),
-        "loss": progress.get("loss"),
-        "tokens_per_s": progress.get("tokens_per_s"),
-        "updated": progress.get("updated"),
-        "exit_code": progress.get("exit_code"),
-        "checkpoint": (
-            {"step": latest.step, "path": str(latest.path), "age_s": round(latest.age_seconds, 1)}
-            if latest
-            else None
-        ),
-        "restarts": run.restarts(),
-    }
+    alive = [h for h, p in procs.items() if p.alive]
+    unknown = [h for h, p in procs.items() if p.alive is None]
+    problem = None
+    if unknown:
+        problem = f"no answer from {', '.join(unknown)}"
+    elif state is not None and state.active and len(alive) < len(procs):
+        dead = [h for h, p in procs.items() if not p.alive]
+        problem = (
+            f"recorded {state.value} but no trainer process is alive on {', '.join(dead)}; "
+            f"see `rlmctl logs {name}`, then `rlmctl stop {name}` or `rlmctl resume {name}`"
+        )
+    elif state is not None and not state.active and alive:
+        problem = f"recorded {state.value} but processes remain on {', '.join(alive)}"
+    return RunStatus(
+        run=name,
+        state=state,
+        run_dir=str(run.path),
+        hosts=list(procs.values()),
+        step=progress.step,
+        max_steps=progress.max_steps,
+        loss=progress.loss,
+        tokens_per_s=progress.tokens_per_s,
+        updated=progress.updated,
+        exit_code=progress.exit_code,
+        checkpoint=checkpoint_row(latest) if latest else None,
+        restarts=run.restarts(),
+        problem=problem,
+    )
+
+
+def summaries(registry: Registry) -> list[RunSummary]:
+    """Every indexed run with its state and restarts read from its run directory."""
+    out = []
+    for row in registry.runs():
+        run = RunDir(row["run_dir"])
+        out.append(
+            RunSummary(
+                name=row["name"],
+                state=run.state(),
+                hosts=[h["host"] for h in registry.hosts(row["name"])],
+                restarts=run.restarts(),
+                created=row["created"],
+                run_dir=row["run_dir"],
+                inventory=row["inventory"],
+            )
+        )
+    return out
+
+
+def checkpoint_row(info: Any) -> CheckpointRow:
+    return CheckpointRow(
+        step=info.step,
+        path=str(info.path),
+        valid=info.valid,
+        reason=info.reason,
+        size_bytes=info.size_bytes,
+        age_s=round(info.age_seconds, 1),
+    )
 
 
 # stop ---------------------------------------------------------------------------------------------
 def stop(
     fleet: Fleet, registry: Registry, name: str, timeout: float, hosts: list[Host] | None = None
-) -> dict[str, dict[str, Any]]:
-    """SIGTERM every host's processes of the run, SIGKILL after `timeout`; per-host outcome."""
+) -> StopResult:
+    """SIGTERM every host's processes of the run, SIGKILL after `timeout`; per-host outcome.
+
+    A run that has already ended (done, stopped, failed) with no process left is not touched.
+    """
     run = RunDir(registry.run(name)["run_dir"])
     targets = hosts if hosts is not None else fleet.hosts
+    state = run.state()
+    if state is not None and not state.active:
+        procs = processes(fleet, registry, name, run, targets)
+        if not any(p.alive or p.processes for p in procs.values()):
+            reason = f"run {name} is already {state.value}; nothing to stop"
+            return StopResult(name, state, [HostStop(h, True) for h in procs], skipped=reason)
     # Before any signal: a concurrent `rlmctl watch` must read the exits as requested.
-    registry.set_state(name, "stopping", f"stop requested (timeout {timeout:g} s)")
+    run.record("stop_requested", timeout_s=timeout)
     pgids = {h["host"]: h["pgid"] for h in registry.hosts(name)}
     results = fleet.run(
         lambda h: hostproc_command(
@@ -360,19 +447,24 @@ def stop(
         hosts=targets,
         timeout=timeout + 30,
     )
-    outcome = {}
+    outcome = []
     for result in results:
         parsed = parse_json_result(result)
         if parsed is None:
-            outcome[result.host] = {"ok": False, "error": result.reason}
+            outcome.append(HostStop(result.host, False, error=result.reason))
             continue
-        outcome[result.host] = {
-            "ok": not parsed["remaining"],
-            "found": parsed["found"],
-            "killed": len(parsed["killed"]),
-            "remaining": parsed["remaining"],
-            "error": None if not parsed["remaining"] else "processes survived SIGKILL",
-        }
-    clean = all(o["ok"] for o in outcome.values())
-    registry.set_state(name, "stopped" if clean else "stop-failed", f"stop: {outcome}")
-    return outcome
+        outcome.append(
+            HostStop(
+                result.host,
+                ok=not parsed["remaining"],
+                found=parsed["found"],
+                killed=len(parsed["killed"]),
+                remaining=parsed["remaining"],
+                error=None if not parsed["remaining"] else "processes survived SIGKILL",
+            )
+        )
+    if all(o.ok for o in outcome):
+        run.record("stopped", hosts=[o.host for o in outcome])
+    else:
+        run.append_event("stop_failed", hosts=[o.host for o in outcome if not o.ok])
+    return StopResult(name, run.state(), outcome)

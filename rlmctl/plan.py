@@ -43,8 +43,10 @@ def shape(preset: str | None, params: float | None, seq_len: int | None) -> dict
             "stored_blocks": cfg.n_prelude + cfg.n_coda + cfg.n_core * cfg.backprop_depth,
             "seq_len": seq_len or cfg.max_seq_len,
         }
-    if params is None or params <= 0:
+    if params is None:
         raise RlmctlError("give --model PRESET or --params N (e.g. --params 3.5e9)")
+    if not math.isfinite(params) or params < 1:
+        raise RlmctlError(f"--params {params} is not a parameter count; give e.g. --params 3.5e9")
     # Scale Huginn-3.5B's shape: d grows with sqrt(params) at fixed depth.
     d_model = int(5280 * math.sqrt(params / 3.5e9))
     return {
@@ -84,10 +86,14 @@ def estimate(
     seq_len: int | None,
     micro_batch: int,
 ) -> dict[str, Any]:
+    if not math.isfinite(gpu_mem_gib):
+        raise RlmctlError(f"--gpu-mem {gpu_mem_gib} is not a memory size; give GiB, e.g. 80")
     if gpu_mem_gib <= RESERVED_GIB:
         raise RlmctlError(f"--gpu-mem {gpu_mem_gib} GiB is too small (need > {RESERVED_GIB})")
     if micro_batch < 1:
-        raise RlmctlError("--micro-batch must be >= 1")
+        raise RlmctlError(f"--micro-batch {micro_batch} must be >= 1")
+    if seq_len is not None and seq_len < 1:
+        raise RlmctlError(f"--seq-len {seq_len} must be a positive token count, e.g. 4096")
     model = shape(preset, params, seq_len)
     usable = gpu_mem_gib * 2**30 * USABLE_FRACTION - RESERVED_GIB * 2**30
     static = model["params"] * BYTES_STATIC_PER_PARAM

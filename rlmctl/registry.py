@@ -1,11 +1,13 @@
-"""The run registry: which runs exist, where, on which hosts, and what happened to them.
+"""The run registry: an index from run names to run directories and the hosts they ran on.
 
-One SQLite file in the run root (`<rlm_shared_dir>/runs/registry.sqlite`) so that every operator
-on every login node sees the same runs. Writers take the database lock up front
-(`BEGIN IMMEDIATE`) and wait for each other (busy timeout) instead of failing half-way. The
-rollback journal (not WAL) is used because WAL needs shared memory that network filesystems do
-not provide; on filesystems with unreliable POSIX locks (some Lustre/NFS mounts) set
-RLM_REGISTRY to a local path (docs/rlmctl.md).
+A run's state, events and restarts live in its run directory (trainer.rundir), not here: the
+registry can be rebuilt from the run directories at any time (`rlmctl reindex`), and a read
+command opens it read-only. One SQLite file in the run root
+(`<rlm_shared_dir>/runs/registry.sqlite`) so that every operator on every login node sees the same
+runs. Writers take the database lock up front (`BEGIN IMMEDIATE`) and wait for each other (busy
+timeout) instead of failing half-way. The rollback journal (not WAL) is used because WAL needs
+shared memory that network filesystems do not provide; on filesystems with unreliable POSIX locks
+(some Lustre/NFS mounts) set RLM_REGISTRY to a local path (docs/rlmctl.md).
 """
 
 from __future__ import annotations
@@ -74,7 +76,17 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX events_by_run ON events(run, time);
     """,
+    # 2: an index, not a second state machine: state, events and restarts live in run dirs.
+    """
+    DROP INDEX events_by_run;
+    DROP TABLE events;
+    DROP TABLE restarts;
+    ALTER TABLE runs DROP COLUMN state;
+    ALTER TABLE runs DROP COLUMN updated;
+    ALTER TABLE runs DROP COLUMN config;
+    """,
 ]
+REINDEX_HINT = "rlmctl reindex"
 
 
 def registry_path(runs_dir: Path) -> Path:
@@ -82,23 +94,64 @@ def registry_path(runs_dir: Path) -> Path:
     return Path(override) if override else Path(runs_dir) / "registry.sqlite"
 
 
+def _unreadable(path: Path, error: Exception) -> RlmctlError:
+    return RlmctlError(
+        f"run registry {path} is not a readable SQLite database ({error}); it is only an index: "
+        f"move it aside (mv {path} {path}.bad) and rebuild it with `{REINDEX_HINT}`"
+    )
+
+
 class Registry:
-    def __init__(self, path: Path | str) -> None:
+    """`readonly`: for commands that only look; never creates, migrates or writes the file."""
+
+    def __init__(self, path: Path | str, readonly: bool = False) -> None:
         self.path = Path(path)
+        self.readonly = readonly
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            if readonly:
+                if not self.path.is_file():
+                    raise RunNotFound(
+                        f"no run registry at {self.path} yet: no run was launched with this "
+                        f"rlm_shared_dir; launch one or `{REINDEX_HINT}`"
+                    )
+                uri = f"{self.path.resolve().as_uri()}?mode=ro"
+                self._db = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         except (OSError, sqlite3.Error) as error:
             raise RlmctlError(
                 f"cannot open the run registry {self.path}: {error}; "
                 f"check rlm_shared_dir or set {REGISTRY_ENV}=/local/path/registry.sqlite"
             ) from None
         self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA foreign_keys = ON")
-        self.migrate()
+        try:
+            if readonly:
+                self._check_version()
+            else:
+                self._db.execute("PRAGMA foreign_keys = ON")
+                self.migrate()
+        except sqlite3.DatabaseError as error:
+            self._db.close()
+            raise _unreadable(self.path, error) from None
+
+    def _check_version(self) -> None:
+        version = self.version
+        if version != len(MIGRATIONS):
+            newer = version > len(MIGRATIONS)
+            raise RlmctlError(
+                f"registry {self.path} has schema {version}, this rlmctl reads {len(MIGRATIONS)}; "
+                + ("upgrade rlmctl" if newer else f"upgrade it once with `{REINDEX_HINT}`")
+            )
 
     def close(self) -> None:
         self._db.close()
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        try:
+            return self._db.execute(sql, args).fetchall()
+        except sqlite3.DatabaseError as error:
+            raise _unreadable(self.path, error) from None
 
     def __enter__(self) -> Registry:
         return self
@@ -137,36 +190,36 @@ class Registry:
                 db.execute(f"PRAGMA user_version = {version + 1}")
 
     # runs -----------------------------------------------------------------------------------------
-    def add_run(self, name: str, run_dir: str, inventory: str, config: str) -> None:
-        now = time.time()
+    def add_run(
+        self, name: str, run_dir: str, inventory: str, created: float | None = None
+    ) -> None:
         with self.transaction() as db:
             if db.execute("SELECT 1 FROM runs WHERE name = ?", (name,)).fetchone():
                 raise RlmctlError(
                     f"run {name!r} already exists; pick another --name or `rlmctl resume {name}`"
                 )
             db.execute(
-                "INSERT INTO runs VALUES (?, ?, ?, ?, 'launching', ?, ?)",
-                (name, run_dir, inventory, config, now, now),
+                "INSERT INTO runs (name, run_dir, inventory, created) VALUES (?, ?, ?, ?)",
+                (name, run_dir, inventory, created or time.time()),
             )
-            self._event(db, name, "registered", None, f"run dir {run_dir}")
+
+    def remove_run(self, name: str) -> None:
+        """Forget a run that never started anywhere (a launch interrupted before its start)."""
+        with self.transaction() as db:
+            db.execute("DELETE FROM hosts WHERE run = ?", (name,))
+            db.execute("DELETE FROM launches WHERE run = ?", (name,))
+            db.execute("DELETE FROM runs WHERE name = ?", (name,))
 
     def run(self, name: str) -> dict[str, Any]:
-        row = self._db.execute("SELECT * FROM runs WHERE name = ?", (name,)).fetchone()
-        if row is None:
-            known = [r["name"] for r in self._db.execute("SELECT name FROM runs ORDER BY created")]
+        rows = self._query("SELECT * FROM runs WHERE name = ?", (name,))
+        if not rows:
+            known = [r["name"] for r in self._query("SELECT name FROM runs ORDER BY created")]
             hint = f"known runs: {', '.join(known[-5:])}" if known else "no runs yet"
             raise RunNotFound(f"no run {name!r} in {self.path} ({hint}); see `rlmctl runs`")
-        return dict(row)
+        return dict(rows[0])
 
     def runs(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._db.execute("SELECT * FROM runs ORDER BY created")]
-
-    def set_state(self, name: str, state: str, message: str = "") -> None:
-        with self.transaction() as db:
-            db.execute(
-                "UPDATE runs SET state = ?, updated = ? WHERE name = ?", (state, time.time(), name)
-            )
-            self._event(db, name, f"state:{state}", None, message or state)
+        return [dict(r) for r in self._query("SELECT * FROM runs ORDER BY created")]
 
     # launches and hosts ---------------------------------------------------------------------------
     def record_launch(
@@ -176,9 +229,10 @@ class Registry:
         processes: list[dict[str, Any]],
         rdzv_id: str,
         rdzv_endpoint: str,
+        when: float | None = None,
     ) -> int:
         """`processes`: [{host, address, pid, pgid}] of what was started."""
-        now = time.time()
+        now = when or time.time()
         with self.transaction() as db:
             cursor = db.execute(
                 "INSERT INTO launches (run, time, kind, hosts, rdzv_id, rdzv_endpoint) "
@@ -199,47 +253,48 @@ class Registry:
                     "INSERT OR REPLACE INTO hosts VALUES (?, ?, ?, ?, ?, ?, 'started')",
                     (run, p["host"], p["address"], launch_id, p.get("pid"), p.get("pgid")),
                 )
-            db.execute("UPDATE runs SET state = 'running', updated = ? WHERE name = ?", (now, run))
-            self._event(db, run, kind, None, f"{len(processes)} hosts, rendezvous {rdzv_endpoint}")
+        assert launch_id is not None
         return launch_id
 
     def hosts(self, run: str, current_only: bool = True) -> list[dict[str, Any]]:
         query = "SELECT * FROM hosts WHERE run = ?"
         if current_only:
             query += " AND state != 'replaced'"
-        return [dict(r) for r in self._db.execute(query + " ORDER BY rowid", (run,))]
+        return [dict(r) for r in self._query(query + " ORDER BY rowid", (run,))]
 
     def launches(self, run: str) -> list[dict[str, Any]]:
-        rows = self._db.execute("SELECT * FROM launches WHERE run = ? ORDER BY id", (run,))
+        rows = self._query("SELECT * FROM launches WHERE run = ? ORDER BY id", (run,))
         return [dict(r) | {"hosts": json.loads(r["hosts"])} for r in rows]
 
-    def record_restart(
-        self, run: str, reason: str, exit_code: int | None, step: int | None, excluded: list[str]
-    ) -> None:
-        with self.transaction() as db:
-            db.execute(
-                "INSERT INTO restarts (run, time, reason, exit_code, step, excluded) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (run, time.time(), reason, exit_code, step, json.dumps(excluded)),
+
+def reindex(registry: Registry, runs_root: Path) -> list[str]:
+    """Add every run directory under `runs_root` that the registry lacks, with the hosts of its
+    newest launch (hosts/<host>/launch.json); the names added."""
+    from trainer.rundir import RunDir, read_json
+
+    known = {r["name"] for r in registry.runs()}
+    added = []
+    for path in sorted(p for p in Path(runs_root).iterdir() if (p / "config.yaml").is_file()):
+        run = RunDir(path)
+        if run.name in known:
+            continue
+        record = read_json(run.run_record_path) or {}
+        created = record.get("created") or run.config_path.stat().st_mtime
+        registry.add_run(run.name, str(run.path), str(record.get("inventory", "")), created)
+        launches = [
+            (p.stat().st_mtime, read_json(p)) for p in sorted(run.path.glob("hosts/*/launch.json"))
+        ]
+        launches = [(t, r) for t, r in launches if isinstance(r, dict) and "host" in r]
+        if launches:
+            when, newest = max(launches, key=lambda item: item[0])
+            hosts = [r for _, r in launches if r.get("rdzv_id") == newest.get("rdzv_id")]
+            registry.record_launch(
+                run.name,
+                str(newest.get("kind", "launch")),
+                hosts,
+                str(newest.get("rdzv_id", "")),
+                str(newest.get("rdzv_endpoint", "")),
+                when,
             )
-            self._event(db, run, "restart", None, reason)
-
-    def restarts(self, run: str) -> list[dict[str, Any]]:
-        rows = self._db.execute("SELECT * FROM restarts WHERE run = ? ORDER BY id", (run,))
-        return [dict(r) | {"excluded": json.loads(r["excluded"])} for r in rows]
-
-    # events ---------------------------------------------------------------------------------------
-    def event(self, run: str, kind: str, message: str, host: str | None = None) -> None:
-        with self.transaction() as db:
-            self._event(db, run, kind, host, message)
-
-    @staticmethod
-    def _event(db: sqlite3.Connection, run: str, kind: str, host: str | None, message: str) -> None:
-        db.execute(
-            "INSERT INTO events (run, time, kind, host, message) VALUES (?, ?, ?, ?, ?)",
-            (run, time.time(), kind, host, message),
-        )
-
-    def events(self, run: str) -> list[dict[str, Any]]:
-        rows = self._db.execute("SELECT * FROM events WHERE run = ? ORDER BY id", (run,))
-        return [dict(r) for r in rows]
+        added.append(run.name)
+    return added

@@ -4,7 +4,7 @@ Failure handling is fail-fast and whole-job: when one host's trainer dies, a hos
 or the step counter stops moving, the rest of the job is stopped (its collectives would only hang)
 and the exit code decides whether a restart can help (trainer.rundir.ExitCode.restartable). A
 restart is a resume: verify the checkpoint, re-run the gate, leave out hosts that fail it (fewer
-nodes, same global batch), relaunch. Every decision is an event in the registry.
+nodes, same global batch), relaunch. Every decision is an event in the run directory.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ from rlmctl.inventory import Inventory
 from rlmctl.launch import GateRefused, Say, Started
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet
-from trainer.rundir import CheckpointInfo, RunDir, stopped_before_end, verify_checkpoint
+from trainer.rundir import (
+    CheckpointInfo,
+    RunDir,
+    RunState,
+    stopped_before_end,
+    verify_checkpoint,
+)
 
 
 def resume_checkpoint(run: RunDir, say: Say) -> CheckpointInfo | None:
@@ -44,9 +50,13 @@ def resume(
     force: bool = False,
 ) -> Started:
     run, hosts = launch.run_hosts(inventory, registry, name)
-    alive = [
-        h for h, p in launch.processes(fleet, registry, name, run, hosts).items() if p["alive"]
-    ]
+    alive = [h for h, p in launch.processes(fleet, registry, name, run, hosts).items() if p.alive]
+    if run.state() is RunState.DONE:
+        step = run.status().step
+        raise RlmctlError(
+            f"run {name} is done (step {step}); nothing to resume. To train further, launch a "
+            f"new run from its checkpoint: checkpoint.resume={run.checkpoints_dir}/step-..."
+        )
     if alive:
         raise RlmctlError(
             f"run {name} is still running on {', '.join(alive)}; stop it first: rlmctl stop {name}"
@@ -69,7 +79,7 @@ def resume(
             say(
                 f"leaving out {', '.join(dropped)} (failed the gate); {len(healthy)} host(s) remain"
             )
-            registry.event(name, "excluded", f"gate failed: {', '.join(dropped)}")
+            run.append_event("excluded", hosts=dropped, reason="failed the health gate")
     if not healthy:
         raise GateRefused(f"every host of run {name} failed the gate; see rlmctl health")
     # Same global batch on fewer hosts: the trainer's check says whether it still divides.
@@ -101,30 +111,31 @@ def watch(
         if failure is None:
             return 0
         run, hosts = launch.run_hosts(inventory, registry, name)
-        registry.event(name, "failure", f"{failure} (exit code {code})")
+        step = run.status().step
+        run.append_event(
+            "failure", reason=failure, exit_code=code, step=step, unreachable=sorted(unreachable)
+        )
         say(f"failure: {failure}; stopping the rest of the job")
         reachable = [h for h in hosts if h.name not in unreachable]
         launch.stop(fleet, registry, name, policy.stop_timeout_s, hosts=reachable)
         if not launch.restartable(code):
             message = f"exit code {code} is not restartable (see rlmctl logs {name})"
-            registry.set_state(name, "failed", message)
+            run.record("gave_up", reason=message)
             say(f"giving up: {message}")
             return 1
         if restarts >= policy.max_restarts:
             message = f"restart budget of {policy.max_restarts} used up"
-            registry.set_state(name, "failed", message)
+            run.record("gave_up", reason=message)
             say(f"giving up: {message}")
             return 1
         delay = policy.backoff_s * 2**restarts
         restarts += 1
-        step = run.read_status().get("step")
-        registry.record_restart(name, failure, code, step, sorted(unreachable))
         say(f"restart {restarts}/{policy.max_restarts} in {delay:g} s (exit code {code})")
         time.sleep(delay)  # back-off policy: give a flapping host or filesystem time to recover
         try:
             resume(fleet, inventory, registry, name, set(unreachable), say)
         except RlmctlError as error:  # no healthy hosts, batch no longer divides, ...
-            registry.set_state(name, "failed", str(error))
+            run.record("gave_up", reason=str(error))
             say(f"giving up: {error}")
             return 1
 
@@ -145,18 +156,17 @@ def _watch_once(
         run, hosts = launch.run_hosts(inventory, registry, name)
         procs = launch.processes(fleet, registry, name, run, hosts)
         progress = run.read_status()
-        if registry.run(name)["state"] in ("stopping", "stopped"):
+        since = registry.launches(name)[-1]["time"]
+        if any(e.kind == "stop_requested" and e.time >= since for e in run.events()):
             say(f"run {name} was stopped (rlmctl stop)")
             return None, set(), 0
-        unreachable = {h for h, p in procs.items() if p["alive"] is None}
-        dead = {h for h, p in procs.items() if p["alive"] is False}
+        unreachable = {h for h, p in procs.items() if p.alive is None}
+        dead = {h for h, p in procs.items() if p.alive is False}
         if unreachable:
             return f"host(s) {', '.join(sorted(unreachable))} unreachable", unreachable, None
-        since = registry.launches(name)[-1]["time"]
         if dead and len(dead) == len(procs):
             fresh = float(progress.get("updated", 0)) >= since
             if fresh and progress.get("state") == "done" and progress.get("exit_code") == 0:
-                registry.set_state(name, "done", f"finished at step {progress.get('step')}")
                 say(f"run {name} done at step {progress.get('step')}")
                 return None, set(), 0
             if fresh and stopped_before_end(progress):

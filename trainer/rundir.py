@@ -7,14 +7,21 @@ start fast and never pull in torch.
 Layout::
 
     <run_dir>/
-      config.yaml                       resolved trainer config
+      run.json                          who created the run, from which inventory, when (rlmctl)
+      config.yaml                       effective trainer config, written once when the run is made
+      trainer.lock                      held (flock) by the trainer that owns the run; holder inside
       metrics.jsonl                     one JSON object per logged step (rank 0 appends)
       status.json                       newest progress snapshot, replaced atomically
-      events.jsonl                      lifecycle events (start, checkpoint, nonfinite, exit, ...)
+      events.jsonl                      lifecycle events (launched, start, checkpoint, exit, stop_*)
       checkpoints/step-00001000/        one directory per checkpoint; manifest.json written last
       hosts/<host>/launch.json          what rlmctl started on that host (pid, pgid, command)
       hosts/<host>/launcher.log         stdout+stderr of that host's torchrun
       hosts/<host>/exit.json            {"exit_code", "time"} of that host's torchrun when it ended
+
+The run's state of record is the fold of events.jsonl through `TRANSITIONS` (`RunDir.state`):
+append-only lines that the trainer and rlmctl write without racing, and a transition the table
+does not allow (a `stop` after `done`, a failed resume after `done`) changes nothing. The rlmctl
+registry is only an index from run names to these directories.
 """
 
 from __future__ import annotations
@@ -26,14 +33,17 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from enum import IntEnum
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 CHECKPOINT_DIR_RE = re.compile(r"^step-(\d{8})$")
+# Run names become directory names, rendezvous ids and Prometheus label values.
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+RUN_NAME_MAX = 64
 
 
 class ExitCode(IntEnum):
@@ -50,6 +60,136 @@ class ExitCode(IntEnum):
         return self is ExitCode.FAILED
 
 
+class RunState(str, Enum):
+    """Where a run is in its life; `TRANSITIONS` says which moves are allowed."""
+
+    LAUNCHING = "launching"  # rlmctl made the run directory; no trainer has started yet
+    STARTING = "starting"  # a trainer is setting up (data, model, checkpoint); status.json only
+    RUNNING = "running"  # a trainer started training (its `start` event)
+    STOPPING = "stopping"  # an operator asked for a stop; the trainer saves and exits
+    STOPPED = "stopped"  # ended before its last step after saving (stop, preemption): resumable
+    DONE = "done"  # reached its last step
+    FAILED = "failed"  # ended with an error; the exit code says whether a restart can help
+
+    @property
+    def active(self) -> bool:
+        """Processes are expected to be alive in this state."""
+        return self in ACTIVE_STATES
+
+
+ACTIVE_STATES = frozenset(
+    {RunState.LAUNCHING, RunState.STARTING, RunState.RUNNING, RunState.STOPPING}
+)
+_START = frozenset({RunState.LAUNCHING, RunState.STARTING, RunState.RUNNING})
+_END = frozenset({RunState.STOPPED, RunState.DONE, RunState.FAILED})
+# None: a run directory without any state event yet. A trainer may start without rlmctl (Slurm,
+# by hand), so every start state is reachable from the end states. DONE moves only on to a new
+# trainer start (a higher train.steps): nothing an operator or a failed start does undoes it.
+TRANSITIONS: dict[RunState | None, frozenset[RunState]] = {
+    None: _START,
+    RunState.LAUNCHING: (_START | _END | {RunState.STOPPING}) - {RunState.LAUNCHING},
+    RunState.STARTING: frozenset({RunState.RUNNING, RunState.STOPPING}) | _END,
+    RunState.RUNNING: frozenset({RunState.STOPPING}) | _END,
+    RunState.STOPPING: _END | _START,  # a stop that failed, then a resume
+    RunState.STOPPED: _START | {RunState.FAILED},  # watch stopped it after a failure, gave up
+    RunState.FAILED: _START,
+    RunState.DONE: frozenset({RunState.STARTING, RunState.RUNNING}),
+}
+
+# The state an event moves the run to (`exit` carries its own in "state").
+EVENT_STATES: dict[str, RunState] = {
+    "launched": RunState.LAUNCHING,  # rlmctl started torchrun on the hosts (launch or resume)
+    "start": RunState.RUNNING,  # the trainer set up and begins (or continues) training
+    "stop_requested": RunState.STOPPING,
+    "stopped": RunState.STOPPED,  # rlmctl verified that no process of the run remains
+    "launch_failed": RunState.FAILED,
+    "gave_up": RunState.FAILED,  # rlmctl watch: not restartable or restart budget used up
+}
+
+
+def allowed(old: RunState | None, new: RunState) -> bool:
+    return new in TRANSITIONS[old]
+
+
+def parse_state(value: Any) -> RunState | None:
+    try:
+        return RunState(value)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of events.jsonl."""
+
+    time: float
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Event:
+        rest = {k: v for k, v in record.items() if k not in ("time", "event")}
+        try:
+            when = float(record.get("time", 0.0))
+        except (TypeError, ValueError):
+            when = 0.0
+        return cls(when, str(record.get("event", "")), rest)
+
+    @property
+    def moves_to(self) -> RunState | None:
+        if self.kind == "exit":
+            return parse_state(self.fields.get("state"))
+        return EVENT_STATES.get(self.kind)
+
+
+@dataclass(frozen=True)
+class Status:
+    """status.json: the trainer's newest progress snapshot (every field optional)."""
+
+    state: RunState | None = None
+    step: int | None = None
+    max_steps: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    updated: float | None = None
+    exit_code: int | None = None
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Status:
+        def number(key: str, kind: type) -> Any:
+            value = record.get(key)
+            if value is None or isinstance(value, bool):
+                return None
+            try:
+                return kind(value)
+            except (TypeError, ValueError):
+                return None
+
+        return cls(
+            state=parse_state(record.get("state")),
+            step=number("step", int),
+            max_steps=number("max_steps", int),
+            loss=number("loss", float),
+            tokens_per_s=number("tokens_per_s", float),
+            updated=number("updated", float),
+            exit_code=number("exit_code", int),
+        )
+
+
+def check_run_name(name: str) -> str | None:
+    """Why `name` cannot name a run, or None when it can."""
+    if not name:
+        return "the run name is empty"
+    if len(name) > RUN_NAME_MAX:
+        return f"run name has {len(name)} characters; use at most {RUN_NAME_MAX}"
+    if not RUN_NAME_RE.match(name):
+        return (
+            f"run name {name!r} may only use letters, digits, '-', '_' and '.', "
+            "and must start with a letter or digit"
+        )
+    return None
+
+
 def stopped_before_end(status: dict[str, Any]) -> bool:
     """The trainer saved and exited 0 on SIGTERM/SIGUSR1 before its last step.
 
@@ -61,6 +201,15 @@ def stopped_before_end(status: dict[str, Any]) -> bool:
         return status.get("state") == "stopped" and int(status["step"]) < int(status["max_steps"])
     except (KeyError, TypeError, ValueError):
         return False
+
+
+def fold_state(events: list[Event]) -> RunState | None:
+    state: RunState | None = None
+    for event in events:
+        new = event.moves_to
+        if new is not None and new != state and allowed(state, new):
+            state = new
+    return state
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -211,6 +360,14 @@ class RunDir:
         return self.path.name
 
     @property
+    def run_record_path(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path / "trainer.lock"
+
+    @property
     def config_path(self) -> Path:
         return self.path / "config.yaml"
 
@@ -247,6 +404,29 @@ class RunDir:
             directory.mkdir(parents=True, exist_ok=True)
         return self
 
+    def create_exclusive(self, config_text: str, record: dict[str, Any]) -> RunDir:
+        """Make a new run directory and fill it; FileExistsError when the name is taken.
+
+        mkdir is the atomic test-and-set: of two launches of one name exactly one gets here, and
+        the other has written nothing. config.yaml is written once, here, and never replaced.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir()
+        try:
+            self.create()
+            self.config_path.write_text(config_text, encoding="utf-8")
+            write_json_atomic(self.run_record_path, {"name": self.name, **record})
+        except BaseException:
+            self.discard()
+            raise
+        return self
+
+    def discard(self) -> None:
+        """Remove a run directory that no trainer has started in (a launch that went no further)."""
+        import shutil
+
+        shutil.rmtree(self.path, ignore_errors=True)
+
     # progress -----------------------------------------------------------------------------------
     def write_status(self, **fields: Any) -> None:
         fields.setdefault("updated", time.time())
@@ -256,20 +436,40 @@ class RunDir:
         status = read_json(self.status_path)
         return status if isinstance(status, dict) else {}
 
+    def status(self) -> Status:
+        return Status.from_dict(self.read_status())
+
     def append_metrics(self, record: dict[str, Any]) -> None:
         append_jsonl(self.metrics_path, record)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return list(read_jsonl(self.metrics_path))
 
-    def append_event(self, kind: str, **fields: Any) -> None:
+    def append_event(self, kind: str, /, **fields: Any) -> None:
         append_jsonl(self.events_path, {"time": time.time(), "event": kind, **fields})
 
     def read_events(self) -> list[dict[str, Any]]:
         return list(read_jsonl(self.events_path))
 
+    def events(self) -> list[Event]:
+        return [Event.from_dict(record) for record in read_jsonl(self.events_path)]
+
+    def state(self) -> RunState | None:
+        """The state of record: events folded through TRANSITIONS (None: nothing happened yet)."""
+        return fold_state(self.events())
+
+    def record(self, kind: str, /, **fields: Any) -> bool:
+        """Append a lifecycle event if it is allowed from the current state; False (and nothing
+        written) when it is not, e.g. `stopped` for a run that is already done."""
+        new = EVENT_STATES.get(kind)
+        if new is not None and new != self.state() and not allowed(self.state(), new):
+            return False
+        self.append_event(kind, **fields)
+        return True
+
     def restarts(self) -> int:
-        """Trainer starts after the first one, counted from `start` events."""
+        """The one meaning of "restarts": trainer starts after the first one (watch restarts,
+        `rlmctl resume`, Slurm requeues), counted from `start` events."""
         starts = sum(1 for event in read_jsonl(self.events_path) if event.get("event") == "start")
         return max(0, starts - 1)
 

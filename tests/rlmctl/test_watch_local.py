@@ -12,14 +12,14 @@ from rlmctl.launch import hostproc_command, parse_json_result, processes
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet
 from tests.rlmctl.conftest import rlmctl
-from trainer.rundir import RunDir
+from trainer.rundir import RunDir, RunState
 
 
 def start_standin(local_inventory: Path, name: str, argv: list[str]) -> tuple[Registry, RunDir]:
     host = inventory.load(local_inventory).select()[0]
     run = RunDir(host.runs_dir / name).create()
     registry = Registry(host.runs_dir / "registry.sqlite")
-    registry.add_run(name, str(run.path), str(local_inventory), "")
+    registry.add_run(name, str(run.path), str(local_inventory))
     config = {
         "argv": argv,
         "env": {"RLMCTL_RUN": str(run.path), "RLMCTL_HOST": host.name},
@@ -32,6 +32,7 @@ def start_standin(local_inventory: Path, name: str, argv: list[str]) -> tuple[Re
     started = parse_json_result(result)
     assert started, result.reason
     registry.record_launch(name, "launch", [{"host": host.name, "address": "", **started}], "x", "")
+    run.record("launched", launch="launch", hosts=[host.name])
     return registry, run
 
 
@@ -56,18 +57,19 @@ def test_watch_stops_a_hung_run_and_respects_the_restart_budget(local_inventory:
     assert time.monotonic() - started < 90
     hosts = inventory.load(local_inventory).select()
     with Fleet(hosts) as fleet:
-        assert not processes(fleet, registry, "hung", run, hosts)["localhost"]["alive"]
-    kinds = [e["kind"] for e in registry.events("hung")]
-    assert "failure" in kinds and kinds[-1] == "state:failed"
+        assert not processes(fleet, registry, "hung", run, hosts)["localhost"].alive
+    kinds = [e.kind for e in run.events()]
+    assert "failure" in kinds and kinds[-1] == "gave_up"
+    assert run.state() is RunState.FAILED
 
 
 def test_watch_gives_up_on_a_config_error_exit_code(local_inventory: Path) -> None:
-    registry, _ = start_standin(local_inventory, "badcfg", ["sh", "-c", "exit 2"])
+    _, run = start_standin(local_inventory, "badcfg", ["sh", "-c", "exit 2"])
     result = rlmctl("-i", str(local_inventory), "watch", "badcfg", "--poll", "0.5")
     assert result.returncode == 1
     assert "exit code 2 is not restartable" in result.stderr
-    assert registry.run("badcfg")["state"] == "failed"
-    assert registry.restarts("badcfg") == []
+    assert run.state() is RunState.FAILED
+    assert run.restarts() == 0
 
 
 def test_watch_resumes_a_run_preempted_by_a_signal_it_did_not_send(
@@ -77,7 +79,7 @@ def test_watch_resumes_a_run_preempted_by_a_signal_it_did_not_send(
     # stop before its last step and exits 0. It waits for `go` so that its status is newer than
     # the launch record.
     write_status = (
-        "from trainer.rundir import RunDir; "
+        "from trainer.rundir import RunDir, RunState; "
         "RunDir('.').write_status(state='stopped', step=5, max_steps=10, exit_code=0)"
     )
     argv = [
@@ -85,7 +87,7 @@ def test_watch_resumes_a_run_preempted_by_a_signal_it_did_not_send(
         "-c",
         f'while [ ! -e go ]; do sleep 0.1; done; exec "{sys.executable}" -c "{write_status}"',
     ]
-    registry, run = start_standin(local_inventory, "preempted", argv)
+    _, run = start_standin(local_inventory, "preempted", argv)
     (run.path / "go").touch()
     result = rlmctl(
         "-i", str(local_inventory), "watch", "preempted", "--poll", "0.5", "--restarts", "0"
@@ -94,4 +96,4 @@ def test_watch_resumes_a_run_preempted_by_a_signal_it_did_not_send(
     assert "trainer stopped on a signal at step 5 (preempted)" in result.stderr
     # Restartable: watch gets as far as its restart budget instead of giving up on exit code 0.
     assert "giving up: restart budget of 0 used up" in result.stderr
-    assert any("preempted" in e["message"] for e in registry.events("preempted"))
+    assert any("preempted" in str(e.fields.get("reason")) for e in run.events())

@@ -1,0 +1,168 @@
+"""Turn rlmctl's records (rlmctl.records, rlmctl.health) into tables for people or JSON for tools.
+
+The only module that prints results; progress lines of long commands go to stderr (`say`) so that
+`--json` keeps stdout machine-readable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rlmctl.records import RunStatus, RunSummary, StopResult, as_dict
+
+STATE_STYLE = {"OK": "green", "WARN": "yellow", "CRIT": "bold red", "UNKNOWN": "magenta"}
+
+
+def console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def say() -> Callable[[str], None]:
+    """Progress lines: to stderr."""
+    err = console(stderr=True)
+    return lambda message: err.print(message, markup=False, soft_wrap=True)
+
+
+def emit_json(record: Any) -> None:
+    data = record.as_dict() if hasattr(record, "as_dict") else as_dict(record)
+    print(json.dumps(data, indent=1, default=str))
+
+
+def line(text: str) -> None:
+    console().print(text, markup=False, soft_wrap=True)
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value if value is not None else "-")
+
+
+def state_name(state: Any) -> str:
+    return state.value if state is not None else "unknown"
+
+
+def _table(title: str, columns: tuple[str, ...]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    return table
+
+
+# inventory / health -------------------------------------------------------------------------------
+def inventory(source: str, hosts: list[Any]) -> None:
+    columns = ("host", "address", "user", "connection", "groups", "gpus", "shared dir")
+    table = _table(f"{len(hosts)} host(s) from {source}", columns)
+    for h in hosts:
+        table.add_row(
+            h.name,
+            f"{h.address}:{h.port}",
+            h.user or "",
+            h.connection,
+            ",".join(h.groups),
+            f"{h.gpus_per_node} {h.gpu_vendor}",
+            h.shared_dir,
+        )
+    console().print(table)
+
+
+def health(report: Any) -> None:
+    """One row per host that needs attention (every host when the fleet is small), then the
+    detail and fix of each non-OK check."""
+    out = console()
+    shown = [h for h in report.hosts if h.state != "OK" or len(report.hosts) <= 20]
+    table = _table(
+        f"health of {len(report.hosts)} host(s): {report.state}",
+        ("host", "state", "round trip", "not OK"),
+    )
+    for host in shown:
+        problems = ", ".join(f"{c.name} {c.state}" for c in host.checks if c.state != "OK")
+        style = STATE_STYLE[host.state]
+        table.add_row(host.host, f"[{style}]{host.state}[/]", f"{host.duration:.2f} s", problems)
+    out.print(table)
+    hidden = len(report.hosts) - len(shown)
+    if hidden:
+        line(f"{hidden} more host(s) OK")
+    for host in report.hosts:
+        for check in host.checks:
+            if check.state != "OK":
+                fix = f" → {check.fix}" if check.fix else ""
+                line(f"{host.host}: {check.name} {check.state}: {check.detail}{fix}")
+
+
+# runs ---------------------------------------------------------------------------------------------
+def status(info: RunStatus) -> None:
+    table = _table(
+        f"run {info.run}: {state_name(info.state)}", ("host", "alive", "processes", "error")
+    )
+    for p in info.hosts:
+        alive = {True: "[green]yes[/]", False: "[red]no[/]", None: "[magenta]?[/]"}[p.alive]
+        processes = str(p.processes if p.processes is not None else "-")
+        table.add_row(p.host, alive, processes, p.error or "")
+    console().print(table)
+    checkpoint = info.checkpoint
+    updated = time.time() - info.updated if info.updated else None
+    last = f"{checkpoint.path} ({age(checkpoint.age_s)} old)" if checkpoint else "none"
+    line(
+        f"step {number(info.step)}/{number(info.max_steps)}  loss {number(info.loss)}  "
+        f"tokens/s {number(info.tokens_per_s)}  updated {age(updated)} ago"
+    )
+    line(f"last checkpoint: {last}")
+    line(f"restarts: {info.restarts}   run dir: {info.run_dir}")
+    if info.problem:
+        line(f"problem: {info.problem}")
+
+
+def runs(rows: list[RunSummary]) -> None:
+    table = _table(
+        f"{len(rows)} run(s)", ("run", "state", "hosts", "restarts", "created", "run dir")
+    )
+    for row in rows:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(row.created))
+        table.add_row(
+            row.name,
+            state_name(row.state),
+            str(len(row.hosts)),
+            str(row.restarts),
+            created,
+            row.run_dir,
+        )
+    console().print(table)
+
+
+def checkpoints(run: str, rows: list[Any], verified: bool) -> None:
+    table = _table(
+        f"{len(rows)} checkpoint(s) of {run} ({'sha256' if verified else 'sizes'} checked)",
+        ("step", "valid", "size", "age", "path / reason"),
+    )
+    for row in rows:
+        table.add_row(
+            str(row.step),
+            "[green]yes[/]" if row.valid else "[red]no[/]",
+            f"{row.size_bytes / 2**20:.1f} MiB",
+            age(row.age_s),
+            row.path if row.valid else row.reason,
+        )
+    console().print(table)
+
+
+def stopped(result: StopResult) -> None:
+    if result.skipped:
+        line(result.skipped)
+        return
+    for host in result.hosts:
+        if host.ok:
+            line(f"{host.host}: stopped ({host.found} process(es), {host.killed} needed SIGKILL)")
+        else:
+            line(f"{host.host}: FAILED: {host.error}")
