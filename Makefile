@@ -13,7 +13,7 @@ DEMO_SYSTEM_PACKAGES := procps
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[train,dev]'
 	touch $@
 
 venv: $(VENV)/.installed

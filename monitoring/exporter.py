@@ -594,6 +594,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--interval", type=float, default=10.0, help="seconds between background reads"
     )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="read every source once, print the metrics (text exposition format) and exit",
+    )
     args = parser.parse_args(argv)
     if args.interval <= 0:
         parser.error("--interval must be positive, e.g. --interval 10")
@@ -610,11 +615,25 @@ def serve(collector: RlmCollector, address: str, port: int) -> Any:
     return server
 
 
+def print_once(collector: RlmCollector) -> None:
+    """What one scrape would return, on stdout: for checks and for hosts without Prometheus."""
+    from prometheus_client import generate_latest
+
+    for source in collector.sources.values():
+        source.refresh()
+    registry = CollectorRegistry()
+    registry.register(collector)
+    sys.stdout.write(generate_latest(registry).decode())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    address = args.address or default_address()
     collector = build_collector(args)
+    if args.once:
+        print_once(collector)
+        return 0
+    address = args.address or default_address()
     try:
         serve(collector, address, args.port)
     except OSError as error:

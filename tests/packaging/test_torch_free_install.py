@@ -1,0 +1,98 @@
+"""`pip install rlm-ops` (no extras) into a fresh venv: rlmctl and rlm-exporter work there, and
+torch is neither installed nor ever imported.
+
+A stand-in `torch` package on PYTHONPATH records every attempt to import it (and fails it), so a
+lazy import hidden behind a caught ImportError is caught too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def plain_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("plain")
+    venv.EnvBuilder(with_pip=True).create(root / "venv")
+    subprocess.run(
+        [str(root / "venv/bin/pip"), "install", "--quiet", str(REPO)],
+        check=True,
+        capture_output=True,
+        cwd=root,
+        timeout=900,
+    )
+    return root
+
+
+def run_without_torch(root: Path, *argv: str) -> subprocess.CompletedProcess:
+    trap = root / "trap"
+    (trap / "torch").mkdir(parents=True, exist_ok=True)
+    marker = root / "torch-imported"
+    (trap / "torch" / "__init__.py").write_text(
+        "import pathlib, traceback\n"
+        f"pathlib.Path({str(marker)!r}).write_text(''.join(traceback.format_stack()))\n"
+        "raise ImportError('torch must not be imported here')\n",
+        encoding="utf-8",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(trap)
+    result = subprocess.run(
+        [str(root / "venv/bin" / argv[0]), *argv[1:]],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert not marker.exists(), f"{argv} imported torch:\n{marker.read_text()}"
+    return result
+
+
+def test_torch_is_not_installed(plain_install: Path) -> None:
+    python = plain_install / "venv/bin/python"
+    code = "import importlib.util as u; print(u.find_spec('torch') is None, u.find_spec('numpy') is None)"
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
+
+
+def test_rlmctl_help_and_health_without_torch(plain_install: Path) -> None:
+    assert run_without_torch(plain_install, "rlmctl", "--help").returncode == 0
+    inventory = plain_install / "inventory.yml"
+    (plain_install / "shared").mkdir(exist_ok=True)
+    inventory.write_text(
+        "all:\n  hosts:\n    localhost:\n  vars:\n    ansible_connection: local\n"
+        f"    rlm_gpu_vendor: none\n    rlm_shared_dir: {plain_install / 'shared'}\n",
+        encoding="utf-8",
+    )
+    result = run_without_torch(plain_install, "rlmctl", "-i", str(inventory), "health", "--json")
+    assert result.returncode in (0, 1), result.stderr
+    report = json.loads(result.stdout)
+    assert [h["host"] for h in report["hosts"]] == ["localhost"]
+    assert run_without_torch(plain_install, "rlmctl", "-i", str(inventory), "runs").returncode == 0
+    plan = run_without_torch(plain_install, "rlmctl", "plan", "--params", "3.5e9")
+    assert plan.returncode == 0 and "GPU" in plan.stdout
+
+
+def test_exporter_once_without_torch(plain_install: Path) -> None:
+    runs = plain_install / "runs"
+    (runs / "run-a").mkdir(parents=True, exist_ok=True)
+    (runs / "run-a" / "status.json").write_text(
+        json.dumps({"state": "running", "step": 7, "updated": 1.0}), encoding="utf-8"
+    )
+    result = run_without_torch(
+        plain_install, "rlm-exporter", "--once", "--gpu-source", "none", "--run-root", str(runs)
+    )
+    assert result.returncode == 0, result.stderr
+    assert 'rlm_run_step{run="run-a"} 7.0' in result.stdout
+
+
