@@ -30,12 +30,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from clusterspec.variables import default
 from monitoring import gpu
 from trainer.rundir import RunDir
 
 log = logging.getLogger("rlm-exporter")
 
-DEFAULT_PORT = 9410
+DEFAULT_PORT = default("rlm_exporter_port")
 RUN_STATES = ("starting", "running", "done", "stopped", "failed")
 # A finished run stays visible this long so dashboards show how it ended.
 FINISHED_RUN_VISIBLE_S = 3600.0

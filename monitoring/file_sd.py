@@ -22,9 +22,10 @@ from trainer.rundir import write_json_atomic
 DRAINED_GROUP = "drained"
 # job → (port, which hosts). Ports are the defaults of the exporters and of the trainer's
 # metrics endpoint (rank 0 serves it, launched with metrics.port=9401).
-JOBS: dict[str, tuple[int, str]] = {
+# None: the host's rlm_exporter_port (clusterspec/variables.yml, the rlm_exporter role's port).
+JOBS: dict[str, tuple[int | None, str]] = {
     "node": (9100, "all"),
-    "rlm-exporter": (9410, "all"),
+    "rlm-exporter": (None, "all"),
     "dcgm": (9400, "nvidia"),
     "amd-device-metrics": (5000, "amd"),
     "rlm-trainer": (9401, "compute"),
@@ -51,7 +52,8 @@ def target_groups(inventory: Inventory) -> dict[str, list[dict[str, Any]]]:
             labels = {"host": host.name}
             if host.name in drained:
                 labels["drained"] = "true"
-            groups.append({"targets": [f"{host.address}:{port}"], "labels": labels})
+            target = f"{host.address}:{port or host.exporter_port}"
+            groups.append({"targets": [target], "labels": labels})
         jobs[job] = groups
     return jobs
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clusterspec.variables import default, variables
 from rlmctl.errors import InventoryError
 
 DEFAULT_INVENTORY = "inventory/local"
-DEFAULT_RDZV_PORT = 29500
 # Hosts that train; `mgmt` and other groups are for Ansible only.
 TRAINING_GROUP = "compute"
 # Hosts out for maintenance: left out unless --limit names them.
 DRAINED_GROUP = "drained"
-GPU_VENDORS = ("nvidia", "amd", "none", "auto")
+GPU_VENDORS = variables()["rlm_gpu_vendor"].choices
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Host:
     comm_env: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
     interpreter: str = "python3"  # ansible_python_interpreter: runs rlmctl's stdlib-only scripts
     busbw_floor_gbps: float | None = None  # rlm_comm_busbw_floor_gbps; 0 = report, don't gate
+    exporter_port: int = default("rlm_exporter_port")
 
     @property
     def is_local(self) -> bool:
@@ -225,9 +226,10 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
     hostvars = variables.get_vars(host=host, include_hostvars=False)
     templar = Templar(loader=loader, variables=hostvars)
 
-    def var(name: str, default: Any = None) -> Any:
+    def var(name: str, fallback: Any = None) -> Any:
+        """The host's value; an rlm_* variable falls back to its clusterspec default only."""
         if name not in hostvars:
-            return default
+            return default(name) if name.startswith("rlm_") else fallback
         try:
             return templar.template(hostvars[name])
         except AnsibleError as error:
@@ -236,8 +238,8 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
                 f"fix it in {source}"
             ) from None
 
-    def integer(name: str, default: int) -> int:
-        value = var(name, default)
+    def integer(name: str, fallback: int | None = None) -> int:
+        value = var(name, fallback)
         try:
             return int(value)
         except (TypeError, ValueError):
@@ -249,8 +251,8 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
     options = ssh_options(str(var("ansible_ssh_common_args", "") or ""))
     known_hosts = options.get("userknownhostsfile")
     key_file = var("ansible_ssh_private_key_file") or var("ansible_private_key_file")
-    shared_dir = str(var("rlm_shared_dir", "/shared"))
-    comm_env = var("rlm_comm_env", {}) or {}
+    shared_dir = str(var("rlm_shared_dir"))
+    comm_env = var("rlm_comm_env") or {}
     if not isinstance(comm_env, dict):
         raise InventoryError(
             f"host {host.name}: rlm_comm_env must be a mapping like {{NCCL_SOCKET_IFNAME: ib0}}, "
@@ -259,31 +261,36 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
     # Kept only when literal: "{{ ansible_playbook_python }}" means nothing outside a playbook.
     raw_interpreter = str(hostvars.get("ansible_python_interpreter") or "python3")
     interpreter = "python3" if "{{" in raw_interpreter else raw_interpreter
-    vendor = str(var("rlm_gpu_vendor", "none")).lower()
+    vendor = str(var("rlm_gpu_vendor")).lower()
     if vendor not in GPU_VENDORS:
         raise InventoryError(
             f"host {host.name}: rlm_gpu_vendor must be one of {', '.join(GPU_VENDORS)}, "
             f"got {vendor!r}; fix it in {source}"
         )
     floor = var("rlm_comm_busbw_floor_gbps")
+    connection = str(var("ansible_connection", "ssh")).split(".")[-1]
+    # The one exception the spec documents: a local host without rlm_venv uses this interpreter.
+    venv = None if connection == "local" and "rlm_venv" not in hostvars else var("rlm_venv")
+    venv = _expand(str(venv), inventory_dir) if venv else None
     return Host(
         name=host.name,
         address=str(var("ansible_host", host.name)),
         port=integer("ansible_port", 22),
         user=var("ansible_user"),
-        connection=str(var("ansible_connection", "ssh")).split(".")[-1],
+        connection=connection,
         key_file=_expand(key_file, inventory_dir) if key_file else None,
         known_hosts_file=_expand(known_hosts, inventory_dir) if known_hosts else None,
         strict_host_key_checking=options.get("stricthostkeychecking", "yes").lower(),
         groups=tuple(sorted(g.name for g in host.get_groups() if g.name != "all")),
-        gpus_per_node=integer("rlm_gpus_per_node", 1),
+        gpus_per_node=integer("rlm_gpus_per_node"),
         gpu_vendor=vendor,
         shared_dir=_expand(shared_dir, inventory_dir),
-        venv=_expand(str(var("rlm_venv")), inventory_dir) if var("rlm_venv") else None,
-        rdzv_port=integer("rlm_rdzv_port", DEFAULT_RDZV_PORT),
+        venv=venv,
+        rdzv_port=integer("rlm_rdzv_port"),
         comm_env={str(k): str(v) for k, v in comm_env.items()},
         interpreter=interpreter,
         busbw_floor_gbps=float(floor) if floor is not None else None,
+        exporter_port=integer("rlm_exporter_port"),
     )
 
 

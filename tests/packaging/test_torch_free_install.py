@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
@@ -19,12 +19,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def source_copy(dest: Path) -> Path:
+    """The packaged files only: an in-tree build/ of an earlier install must not leak in."""
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, dest / name)
+    for package in ("rlmctl", "trainer", "monitoring", "clusterspec"):
+        shutil.copytree(
+            REPO / package, dest / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return dest
+
+
 @pytest.fixture(scope="module")
 def plain_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("plain")
     venv.EnvBuilder(with_pip=True).create(root / "venv")
+    source = source_copy(tmp_path_factory.mktemp("source"))
     subprocess.run(
-        [str(root / "venv/bin/pip"), "install", "--quiet", str(REPO)],
+        [str(root / "venv/bin/pip"), "install", "--quiet", str(source)],
         check=True,
         capture_output=True,
         cwd=root,
@@ -94,5 +106,3 @@ def test_exporter_once_without_torch(plain_install: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert 'rlm_run_step{run="run-a"} 7.0' in result.stdout
-
-
