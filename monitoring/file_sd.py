@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from clusterspec import vendors
 from monitoring.exporter import OneLineErrorParser
 from rlmctl.errors import RlmctlError
 from rlmctl.inventory import TRAINING_GROUP, Host, Inventory, load
@@ -23,11 +24,11 @@ DRAINED_GROUP = "drained"
 # job → (port, which hosts). Ports are the defaults of the exporters and of the trainer's
 # metrics endpoint (rank 0 serves it, launched with metrics.port=9401).
 # None: the host's rlm_exporter_port (clusterspec/variables.yml, the rlm_exporter role's port).
+# Vendor exporters come from the vendor descriptions, on that vendor's compute hosts.
 JOBS: dict[str, tuple[int | None, str]] = {
     "node": (9100, "all"),
     "rlm-exporter": (None, "all"),
-    "dcgm": (9400, "nvidia"),
-    "amd-device-metrics": (5000, "amd"),
+    **{v.EXPORTER_JOB[0]: (v.EXPORTER_JOB[1], v.NAME) for v in vendors.VENDORS.values()},
     "rlm-trainer": (9401, "compute"),
 }
 

@@ -5,7 +5,7 @@
 2. Where `all_reduce_perf` (nccl-tests / rccl-tests) is installed, each host runs it on its own
    GPUs at one large size (16 GiB, the size the floors are published for) and its bus bandwidth
    is judged against the inventory's `rlm_comm_busbw_floor_gbps` (0: report only) or, when that
-   is not set, the floor of its GPU model in BUSBW_FLOORS_GBPS.
+   is not set, the published floor of its GPU model (clusterspec.vendors BUSBW_FLOORS_GBPS).
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusterspec import vendors
 from rlmctl.inventory import Host
 from rlmctl.remote import Fleet, with_env
 
-# GB/s of busbw for a 16 GiB single-node all-reduce; substring of the GPU name → floor.
-BUSBW_FLOORS_GBPS = {"A100": 228.0, "H100": 460.0, "H200": 480.0, "MI300X": 314.0}
 PROBE_TIMEOUT_S = 300
 
 
@@ -94,7 +93,7 @@ def judge_busbw(parsed: dict[str, Any], gpu_name: str, floor: float | None) -> s
     if not parsed["ok"]:
         return "all_reduce_perf reported wrong results or out-of-bounds values"
     if floor is None:
-        floor = next((v for k, v in BUSBW_FLOORS_GBPS.items() if k in gpu_name.upper()), None)
+        floor = vendors.busbw_floor_gbps(gpu_name)
     if floor is None:
         return None
     largest = max(parsed["rows"], key=lambda r: r["size"])

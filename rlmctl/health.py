@@ -9,6 +9,8 @@ the worst one wins with OK < UNKNOWN < WARN < CRIT (monitoring-plugins' max_stat
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import secrets
 import time
@@ -103,8 +105,46 @@ class Report:
         return {"state": self.state, "hosts": [h.as_dict() for h in self.hosts]}
 
 
+# Shipped with hostcheck.py: the vendor descriptions it imports (stdlib only).
+SHIPPED_PACKAGES = ("clusterspec", "clusterspec.vendors")
+_IMPORTER = """
+import importlib.abc, importlib.util, sys
+
+class _Shipped(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # Modules that travel inside this command line: name -> (source, is_package).
+    def __init__(self, sources):
+        self.sources = sources
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.sources:
+            return None
+        return importlib.util.spec_from_loader(name, self, is_package=self.sources[name][1])
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        source = self.sources[module.__spec__.name][0]
+        exec(compile(source, "<shipped " + module.__spec__.name + ">", "exec"), module.__dict__)
+
+sys.meta_path.insert(0, _Shipped(SHIPPED))
+"""
+
+
+@functools.cache
 def _script() -> str:
-    return (Path(__file__).with_name("hostcheck.py")).read_text(encoding="utf-8")
+    """hostcheck.py, preceded by an importer of the shipped vendor-description modules."""
+    sources: dict[str, tuple[str, bool]] = {}
+    for package in SHIPPED_PACKAGES:
+        module = importlib.import_module(package)
+        directory = Path(module.__file__).parent
+        sources[package] = ((directory / "__init__.py").read_text(encoding="utf-8"), True)
+        if package == "clusterspec":
+            continue  # only its __init__: variables.py needs yaml, which hosts may lack
+        for path in sorted(directory.glob("*.py")):
+            if path.name != "__init__.py":
+                sources[f"{package}.{path.stem}"] = (path.read_text(encoding="utf-8"), False)
+    hostcheck = Path(__file__).with_name("hostcheck.py").read_text(encoding="utf-8")
+    # A __future__ import must open the script; the shipped modules keep their own.
+    hostcheck = hostcheck.replace("from __future__ import annotations\n", "", 1)
+    return f"SHIPPED = {sources!r}\n{_IMPORTER}\n{hostcheck}"
 
 
 def _write_markers(hosts: list[Host], token: str) -> list[Path]:

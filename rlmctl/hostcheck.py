@@ -1,7 +1,8 @@
 """The fast health checks, run ON a host: shipped by `rlmctl health` inside one command line.
 
 Standard library only and Python 3.8-compatible (nodes have the system python3), no imports from
-rlmctl: the file is sent as it is. Input: one JSON argument (what to check, thresholds). Output:
+rlmctl: the file is sent as it is, together with the vendor descriptions (clusterspec.vendors:
+the same tool commands, parsers and XID rules the exporter uses), see rlmctl.health. Input: one JSON argument (what to check, thresholds). Output:
 one JSON object on stdout: the host's clock at start, the check results and facts the controller
 compares across hosts (Python environment fingerprint). All checks run in parallel threads so a
 slow one (a GPU tool, the venv's python) bounds the round trip, not the sum.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -19,12 +19,10 @@ import sys
 import threading
 import time
 
-OK, WARN, CRIT, UNKNOWN = "OK", "WARN", "CRIT", "UNKNOWN"
+from clusterspec import vendors
+from clusterspec.vendors.readings import ToolError
 
-# XIDs that mean the GPU (or its memory) needs draining, and ones worth a look (facts.md).
-XID_CRITICAL = {48, 62, 64, 74, 79, 92, 94, 95, *range(56, 59), *range(68, 74), *range(75, 78)}
-XID_CRITICAL |= {*range(80, 87), 88, 89, *range(96, 106), *range(110, 121), *range(122, 126)}
-XID_WARNING = {13, 31, 43, 45, 63, 109}
+OK, WARN, CRIT, UNKNOWN = "OK", "WARN", "CRIT", "UNKNOWN"
 
 ENV_PROBE = r"""
 import hashlib, importlib.metadata as md, json, platform, sys
@@ -46,14 +44,15 @@ def check(name, state, detail, fix=""):
 
 
 def run_tool(argv, timeout=20):
-    """(rc, stdout) of a tool, or (None, why) when it is missing or hangs."""
+    """(rc, stdout) of a tool (stdout + stderr when it failed), or (None, why) when it is
+    missing or hangs."""
     if shutil.which(argv[0]) is None:
         return None, argv[0] + " not found"
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return None, argv[0] + " hung for " + str(timeout) + " s"
-    return done.returncode, done.stdout + done.stderr
+    return done.returncode, done.stdout if done.returncode == 0 else done.stdout + done.stderr
 
 
 def mount_of(path):
@@ -152,56 +151,8 @@ def check_load(cfg):
     return check("load", OK, detail)
 
 
-def parse_nvidia_smi(text):
-    """Rows of `nvidia-smi --query-gpu=index,name,driver_version,temperature.gpu,
-    ecc.errors.uncorrected.volatile.total --format=csv,noheader,nounits`."""
-    gpus = []
-    for line in text.strip().splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) < 5 or not cells[0].isdigit():
-            continue
-        gpus.append(
-            {
-                "index": int(cells[0]),
-                "name": cells[1],
-                "driver": cells[2],
-                "temp": _number(cells[3]),
-                "ecc_uncorrected": _number(cells[4]),
-            }
-        )
-    return gpus
-
-
-def parse_rocm_smi(text):
-    """`rocm-smi --showproductname --showdriverversion --showtemp --json` → the same row shape."""
-    data = json.loads(text[text.index("{") :])
-    driver = data.get("system", {}).get("Driver version", "?")
-    gpus = []
-    for key in sorted(k for k in data if k.startswith("card")):
-        card = data[key]
-        temps = [_number(v) for k, v in card.items() if k.startswith("Temperature")]
-        temps = [t for t in temps if t is not None]
-        gpus.append(
-            {
-                "index": int(key[4:]),
-                "name": card.get("Card Series", card.get("Card series", "?")),
-                "driver": driver,
-                "temp": max(temps) if temps else None,
-                "ecc_uncorrected": None,
-            }
-        )
-    return gpus
-
-
-def _number(text):
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return None
-
-
 def judge_gpus(gpus, expected, limits):
-    """One check from parsed GPU rows: count, uncorrected ECC, temperature."""
+    """One check from the vendor parser's GpuReadings: count, uncorrected ECC, temperature."""
     if len(gpus) != expected:
         return check(
             "gpu",
@@ -209,15 +160,15 @@ def judge_gpus(gpus, expected, limits):
             f"{len(gpus)} GPUs visible, inventory says rlm_gpus_per_node={expected}",
             "reseat/replace the missing GPU or fix rlm_gpus_per_node; drain the host meanwhile",
         )
-    drivers = sorted({g["driver"] for g in gpus})
-    model = gpus[0]["name"] if gpus else "-"
+    drivers = sorted({g.driver or "?" for g in gpus})
+    model = (gpus[0].name or "GPU") if gpus else "-"
     detail = f"{len(gpus)}× {model}, driver {'/'.join(drivers)}"
-    ecc = [g["index"] for g in gpus if g["ecc_uncorrected"]]
+    ecc = [int(g.gpu) for g in gpus if g.ecc_uncorrected_total]
     if ecc:
         return check(
             "gpu", CRIT, detail + "; uncorrected ECC errors on GPU " + str(ecc), "drain, RMA"
         )
-    hottest = max((g["temp"] or 0 for g in gpus), default=0)
+    hottest = max((g.temperature_celsius or 0 for g in gpus), default=0)
     detail += f"; max {hottest:.0f} C"
     if hottest >= limits["gpu_temp_crit_c"]:
         return check("gpu", CRIT, detail, "check cooling/fans before using this host")
@@ -226,29 +177,18 @@ def judge_gpus(gpus, expected, limits):
     return check("gpu", OK, detail)
 
 
-def detect_vendor():
-    """rlm_gpu_vendor=auto: the vendor whose tool is installed; none without either."""
-    if shutil.which("nvidia-smi"):
-        return "nvidia"
-    if shutil.which("rocm-smi"):
-        return "amd"
-    return "none"
+def host_vendor(cfg):
+    """rlm_gpu_vendor, with auto resolved by the vendor tool installed here."""
+    return vendors.detect_vendor() if cfg["vendor"] == "auto" else cfg["vendor"]
 
 
 def check_gpu(cfg):
-    vendor, expected = cfg["vendor"], cfg["gpus"]
-    if vendor == "auto":
-        vendor = detect_vendor()
+    vendor = host_vendor(cfg)
     if vendor == "none":
-        return check("gpu", OK, "skipped (rlm_gpu_vendor=none)")
-    if vendor == "nvidia":
-        query = "index,name,driver_version,temperature.gpu,ecc.errors.uncorrected.volatile.total"
-        rc, out = run_tool(["nvidia-smi", "--query-gpu=" + query, "--format=csv,noheader,nounits"])
-        parse = parse_nvidia_smi
-    else:
-        argv = ["rocm-smi", "--showproductname", "--showdriverversion", "--showtemp", "--json"]
-        rc, out = run_tool(argv)
-        parse = parse_rocm_smi
+        return check("gpu", OK, "skipped (rlm_gpu_vendor=" + cfg["vendor"] + ", no GPU tool)")
+    description = vendors.VENDORS[vendor]
+    tool = vendors.vendor_tool(vendor)
+    rc, out = run_tool(list(description.TOOLS[tool]))
     if rc is None or rc != 0:
         return check(
             "gpu",
@@ -257,35 +197,25 @@ def check_gpu(cfg):
             f"install/repair the {vendor} driver (ansible-playbook playbooks/site.yml)",
         )
     try:
-        gpus = parse(out)
-    except ValueError as error:
-        return check("gpu", UNKNOWN, f"cannot parse GPU tool output: {error}")
-    return judge_gpus(gpus, expected, cfg["thresholds"])
+        parsed = description.PARSERS[tool](out)
+    except ToolError as error:
+        return check("gpu", UNKNOWN, f"cannot parse {tool} output: {error}")
+    return judge_gpus(parsed.gpus, cfg["gpus"], cfg["thresholds"])
 
 
-def parse_xids(kernel_log):
-    """XID codes from `NVRM: Xid (PCI:0000:3b:00): 79, pid=...` kernel log lines."""
-    return [int(m) for m in re.findall(r"NVRM: Xid \([^)]*\): (\d+)", kernel_log)]
-
-
-def judge_xids(xids):
-    critical = sorted(set(xids) & XID_CRITICAL)
-    if critical:
-        return check("gpu_xid", CRIT, f"critical XIDs in kernel log: {critical}", "drain, RMA")
-    warning = sorted(set(xids) & XID_WARNING)
-    if warning:
-        return check("gpu_xid", WARN, f"XIDs in kernel log: {warning}", "watch this host")
-    return check("gpu_xid", OK, "no XID errors in kernel log")
-
-
-def check_xid(cfg):
-    vendor = detect_vendor() if cfg["vendor"] == "auto" else cfg["vendor"]
-    if vendor != "nvidia":
-        return check("gpu_xid", OK, "skipped (NVIDIA only)")
-    rc, out = run_tool(["dmesg", "--notime"])
+def check_gpu_xid(cfg):
+    vendor = host_vendor(cfg)
+    description = vendors.VENDORS.get(vendor)
+    if description is None or description.KERNEL_LOG is None:
+        return check("gpu_xid", OK, f"skipped (no kernel-log rules for {vendor})")
+    rc, out = run_tool(list(description.KERNEL_LOG))
     if rc != 0:
         return check("gpu_xid", UNKNOWN, "cannot read the kernel log: " + out.strip()[:120])
-    return judge_xids(parse_xids(out))
+    codes = [code for events in description.xid_events(out).values() for code, _ in events]
+    state, detail = description.judge_xids(codes)
+    return check(
+        "gpu_xid", state, detail, {CRIT: "drain, RMA", WARN: "watch this host"}.get(state, "")
+    )
 
 
 def check_rdzv_port(cfg):
@@ -332,32 +262,42 @@ def probe_env(cfg):
     return env, check("python_env", OK, detail)
 
 
+# Every check by the name it reports, in report order; the name is the registration, not the
+# function's (a crashing check is reported under its own name, in its place).
+CHECKS = (
+    ("disk", check_disk),
+    ("shared_fs", check_shared_fs),
+    ("memory", check_memory),
+    ("load", check_load),
+    ("gpu", check_gpu),
+    ("gpu_xid", check_gpu_xid),
+    ("rdzv_port", check_rdzv_port),
+    ("python_env", probe_env),
+)
+
+
 def main(argv):
     started = time.time()
     cfg = json.loads(argv[1])
-    checks = [check_disk, check_shared_fs, check_memory, check_load, check_gpu, check_xid]
-    if cfg.get("rdzv_port"):
-        checks.append(check_rdzv_port)
-    results, facts = [], {}
+    checks = [(n, fn) for n, fn in CHECKS if n != "rdzv_port" or cfg.get("rdzv_port")]
+    results, facts = {}, {}
 
-    def guarded(fn):
+    def guarded(name, fn):
         try:
             if fn is probe_env:
                 facts["env"], outcome = probe_env(cfg)
             else:
                 outcome = fn(cfg)
         except Exception as error:  # a broken check must not hide the others
-            name = fn.__name__.replace("check_", "").replace("probe_", "python_")
             outcome = check(name, UNKNOWN, f"{type(error).__name__}: {error}")
-        results.append(outcome)
+        results[name] = outcome
 
-    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in [*checks, probe_env]]
+    threads = [threading.Thread(target=guarded, args=check_) for check_ in checks]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    order = [fn.__name__.replace("check_", "") for fn in checks] + ["python_env"]
-    results.sort(key=lambda c: order.index(c["name"]) if c["name"] in order else len(order))
+    results = [results[name] for name, _ in checks]
     print(
         json.dumps({"time": started, "hostname": socket.gethostname(), "checks": results, **facts})
     )

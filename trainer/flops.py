@@ -25,18 +25,8 @@ from dataclasses import astuple, dataclass
 
 import torch
 
+from clusterspec import vendors
 from trainer.model import ModelConfig, ParamCounts, RecurrentLM
-
-# Dense bf16/fp16 tensor-core peak per device (one GCD for MI250X), from vendor datasheets.
-# Matched against torch.cuda.get_device_name(); the longest matching key wins.
-PEAK_BF16_FLOPS: dict[str, float] = {
-    "MI250X": 191.5e12,
-    "MI300X": 1307e12,
-    "A100": 312e12,
-    "H100": 989e12,
-    "H100 PCIe": 756e12,
-    "H200": 989e12,
-}
 
 
 @dataclass(frozen=True)
@@ -139,8 +129,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     device = torch.device(device)
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         name = torch.cuda.get_device_name(device)
-        matches = [key for key in PEAK_BF16_FLOPS if key.lower() in name.lower()]
-        if matches:
-            key = max(matches, key=len)
-            return PEAK_BF16_FLOPS[key], f"datasheet {key} ({name})"
+        # The vendor descriptions hold the datasheet peaks per SKU (longest matching key wins).
+        peak, key = vendors.peak_bf16_flops(name)
+        if peak is not None:
+            return peak, f"datasheet {key} ({name})"
     return _measured_peak(device, dtype), f"measured GEMM probe on {device.type} ({dtype})"

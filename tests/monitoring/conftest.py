@@ -31,6 +31,16 @@ def printing(fixture: str, exit_code: int = 0) -> str:
     return f"cat '{FIXTURES / fixture}'\nexit {exit_code}"
 
 
+# The nvidia-smi recordings (an 8× H100 80GB HBM3 node, driver 550.54.15) predate the last two
+# query fields, `name` and `driver_version`; the stand-in appends those two columns to each GPU row.
+RECORDED_NAME_COLUMNS = ", NVIDIA H100 80GB HBM3, 550.54.15"
+
+
+def printing_nvidia(fixture: str, exit_code: int = 0) -> str:
+    rows = f"sed -E '/^[0-9]/ s/$/{RECORDED_NAME_COLUMNS}/' '{FIXTURES / fixture}'"
+    return f"{rows}\nexit {exit_code}"
+
+
 @pytest.fixture
 def tool_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     bin_dir = tmp_path / "bin"

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from monitoring import exporter
-from tests.monitoring.conftest import install_tool, names, printing, scrape, value, wait_for
+from tests.monitoring.conftest import (
+    install_tool,
+    names,
+    printing,
+    printing_nvidia,
+    scrape,
+    value,
+    wait_for,
+)
 from tests.monitoring.test_config import dashboard_queries, rules
 from trainer.rundir import RunDir, write_manifest
 
@@ -39,7 +47,7 @@ def make_run(root: Path, name: str = "run-a", state: str = "running", step: int 
 def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
     tmp_path, tool_bin, run_exporter
 ) -> None:
-    install_tool(tool_bin, "nvidia-smi", printing("nvidia-smi-8gpu.csv"))
+    install_tool(tool_bin, "nvidia-smi", printing_nvidia("nvidia-smi-8gpu.csv"))
     install_tool(tool_bin, "dmesg", printing("dmesg-xid.txt"))
     runs = tmp_path / "runs"
     make_run(runs)
@@ -153,7 +161,7 @@ def test_garbage_printing_tool_counts_errors_and_exports_no_gpu_series(
 def test_partial_nvidia_output_exports_the_readable_gpus_and_counts_the_error(
     tool_bin, run_exporter
 ) -> None:
-    install_tool(tool_bin, "nvidia-smi", printing("nvidia-smi-partial.csv", exit_code=15))
+    install_tool(tool_bin, "nvidia-smi", printing_nvidia("nvidia-smi-partial.csv", exit_code=15))
     install_tool(
         tool_bin,
         "dmesg",

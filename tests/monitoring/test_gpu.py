@@ -6,10 +6,14 @@ import time
 
 import pytest
 
+from clusterspec.vendors import amd, nvidia
 from monitoring import gpu
 from tests.monitoring.conftest import FIXTURES, install_tool, printing
 
 MIB = 1024 * 1024
+# The nvidia-smi recordings were made with the exporter's field list before `name` and
+# `driver_version` were appended; the one parser is told which fields a recording holds.
+RECORDED_FIELDS = nvidia.FIELDS[:11]
 
 
 def read(name: str) -> str:
@@ -17,7 +21,7 @@ def read(name: str) -> str:
 
 
 def test_nvidia_smi_eight_gpus() -> None:
-    result = gpu.parse_nvidia_smi(read("nvidia-smi-8gpu.csv"))
+    result = nvidia.parse_nvidia_smi(read("nvidia-smi-8gpu.csv"), RECORDED_FIELDS)
     assert result.problems == []
     assert [g.gpu for g in result.gpus] == [str(i) for i in range(8)]
     first, last = result.gpus[0], result.gpus[7]
@@ -34,7 +38,7 @@ def test_nvidia_smi_eight_gpus() -> None:
 
 
 def test_nvidia_smi_partial_output_keeps_the_readable_gpus() -> None:
-    result = gpu.parse_nvidia_smi(read("nvidia-smi-partial.csv"))
+    result = nvidia.parse_nvidia_smi(read("nvidia-smi-partial.csv"), RECORDED_FIELDS)
     assert [g.gpu for g in result.gpus] == ["0", "1", "3", "4", "5", "6", "7"]
     assert len(result.problems) == 1 and "Unable to determine" in result.problems[0]
     unknown = result.gpus[3]  # GPU 4 answered [N/A] for several fields
@@ -44,12 +48,12 @@ def test_nvidia_smi_partial_output_keeps_the_readable_gpus() -> None:
 
 
 def test_nvidia_smi_garbage_yields_no_gpus() -> None:
-    result = gpu.parse_nvidia_smi("Segmentation fault\n\x00\x01binary,junk\n")
+    result = nvidia.parse_nvidia_smi("Segmentation fault\n\x00\x01binary,junk\n")
     assert result.gpus == [] and len(result.problems) == 2
 
 
 def test_amd_smi_eight_gpus() -> None:
-    result = gpu.parse_amd_smi(read("amd-smi-metric-8gpu.json"))
+    result = amd.parse_amd_smi(read("amd-smi-metric-8gpu.json"))
     assert result.problems == []
     assert len(result.gpus) == 8
     g0, g2, g5 = result.gpus[0], result.gpus[2], result.gpus[5]
@@ -63,7 +67,7 @@ def test_amd_smi_eight_gpus() -> None:
 
 
 def test_amd_smi_legacy_list_with_unavailable_fields() -> None:
-    result = gpu.parse_amd_smi(read("amd-smi-metric-legacy-partial.json"))
+    result = amd.parse_amd_smi(read("amd-smi-metric-legacy-partial.json"))
     assert [g.gpu for g in result.gpus] == ["0", "1"]
     partial = result.gpus[1]
     assert partial.utilization_ratio is None
@@ -72,7 +76,7 @@ def test_amd_smi_legacy_list_with_unavailable_fields() -> None:
 
 
 def test_rocm_smi_cards_and_system_section() -> None:
-    result = gpu.parse_rocm_smi(read("rocm-smi-showallinfo.json"))
+    result = amd.parse_rocm_smi(read("rocm-smi-showallinfo.json"))
     assert [g.gpu for g in result.gpus] == ["0", "1"]
     card0, card1 = result.gpus
     assert card0.utilization_ratio == pytest.approx(0.94)
@@ -82,7 +86,7 @@ def test_rocm_smi_cards_and_system_section() -> None:
     assert card1.utilization_ratio is None and card1.power_watts is None
 
 
-@pytest.mark.parametrize("parser", [gpu.parse_amd_smi, gpu.parse_rocm_smi])
+@pytest.mark.parametrize("parser", [amd.parse_amd_smi, amd.parse_rocm_smi])
 def test_json_parsers_reject_garbage(parser) -> None:
     with pytest.raises(gpu.ToolError, match="printed no JSON"):
         parser("ERROR: GPU not found\n")
@@ -95,7 +99,7 @@ def test_xid_lines_grouped_by_pci_bus() -> None:
 
 def test_run_tool_returns_output_and_exit_code(tool_bin) -> None:
     install_tool(tool_bin, "nvidia-smi", printing("nvidia-smi-partial.csv", exit_code=15))
-    output = gpu.run_tool(gpu.NVIDIA_COMMAND, timeout_s=10)
+    output = gpu.run_tool(nvidia.NVIDIA_SMI, timeout_s=10)
     assert output.returncode == 15
     assert output.stdout == read("nvidia-smi-partial.csv")
 
@@ -104,14 +108,14 @@ def test_run_tool_kills_a_hanging_tool(tool_bin) -> None:
     install_tool(tool_bin, "amd-smi", "sleep 300 &\nwait")
     started = time.monotonic()
     with pytest.raises(gpu.ToolError, match=r"did not finish within 0\.5 s"):
-        gpu.run_tool(gpu.AMD_SMI_COMMAND, timeout_s=0.5)
+        gpu.run_tool(amd.AMD_SMI, timeout_s=0.5)
     assert time.monotonic() - started < 10
 
 
 def test_run_tool_missing_binary(tool_bin, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tool_bin))
     with pytest.raises(gpu.ToolError, match="cannot run rocm-smi"):
-        gpu.run_tool(gpu.ROCM_SMI_COMMAND, timeout_s=1)
+        gpu.run_tool(amd.ROCM_SMI, timeout_s=1)
     assert gpu.detect_source() is None
 
 

@@ -4,9 +4,16 @@ and its parsers on vendor-tool output in the tools' documented formats."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
+from clusterspec import vendors
+from clusterspec.vendors import nvidia
+from monitoring import gpu
 from rlmctl import health, hostcheck, inventory
 from rlmctl.health import CRIT, OK, UNKNOWN, WARN, Check, HostHealth
 from rlmctl.remote import Fleet
@@ -14,30 +21,10 @@ from tests.rlmctl.conftest import rlmctl
 
 THRESHOLDS = health.THRESHOLDS
 
-# `nvidia-smi --query-gpu=index,name,driver_version,temperature.gpu,
-#  ecc.errors.uncorrected.volatile.total --format=csv,noheader,nounits` (hand-written, documented format)
-NVIDIA_SMI = """0, NVIDIA H100 80GB HBM3, 550.54.15, 34, 0
-1, NVIDIA H100 80GB HBM3, 550.54.15, 36, 0
-2, NVIDIA H100 80GB HBM3, 550.54.15, 33, 2
-3, NVIDIA H100 80GB HBM3, 550.54.15, 88, 0
-"""
-KERNEL_LOG = """NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15
-NVRM: Xid (PCI:0000:3b:00): 13, pid=1234, name=python, Graphics Exception
-NVRM: Xid (PCI:0000:86:00): 79, pid=0, name=, GPU has fallen off the bus.
-"""
-ROCM_SMI = json.dumps(
-    {
-        "card0": {
-            "Card Series": "AMD Instinct MI250X",
-            "Temperature (Sensor junction) (C)": "41.0",
-        },
-        "card1": {
-            "Card Series": "AMD Instinct MI250X",
-            "Temperature (Sensor junction) (C)": "97.0",
-        },
-        "system": {"Driver version": "6.3.6"},
-    }
-)
+FIXTURES = Path(__file__).parents[1] / "monitoring" / "fixtures"
+# Recorded on an 8× H100 node with the exporter's field list before `name`/`driver_version`.
+RECORDED = (FIXTURES / "nvidia-smi-8gpu.csv").read_text()
+KERNEL_LOG = (FIXTURES / "dmesg-xid.txt").read_text()
 
 
 def test_local_host_passes_the_gate(local_inventory: Path) -> None:
@@ -89,35 +76,65 @@ def test_disk_thresholds(tmp_path: Path) -> None:
     assert result["state"] == CRIT and "full" in result["detail"]
 
 
-def test_nvidia_parser_and_verdicts() -> None:
-    gpus = hostcheck.parse_nvidia_smi(NVIDIA_SMI)
-    assert [g["index"] for g in gpus] == [0, 1, 2, 3] and gpus[0]["driver"] == "550.54.15"
-    count = hostcheck.judge_gpus(gpus, 8, THRESHOLDS)
-    assert count["state"] == CRIT and "4 GPUs visible" in count["detail"]
-    ecc = hostcheck.judge_gpus(gpus, 4, THRESHOLDS)
-    assert ecc["state"] == CRIT and "ECC" in ecc["detail"] and "[2]" in ecc["detail"]
-    warm = hostcheck.judge_gpus([g | {"ecc_uncorrected": 0.0} for g in gpus], 4, THRESHOLDS)
+def test_gpu_verdicts_from_the_exporters_parser() -> None:
+    """The gate judges what the one nvidia-smi parser (shared with the exporter) read."""
+    gpus = nvidia.parse_nvidia_smi(RECORDED, nvidia.FIELDS[:11]).gpus
+    assert hostcheck.judge_gpus(gpus[:4], 8, THRESHOLDS)["detail"].startswith("4 GPUs visible")
+    ecc = hostcheck.judge_gpus(gpus, 8, THRESHOLDS)  # GPU 7 has an uncorrected ECC error
+    assert ecc["state"] == CRIT and "ECC" in ecc["detail"] and "[7]" in ecc["detail"]
+    clean = [replace(g, ecc_uncorrected_total=0.0) for g in gpus]
+    assert hostcheck.judge_gpus(clean, 8, THRESHOLDS)["state"] == OK
+    hot = [replace(clean[0], temperature_celsius=88.0), *clean[1:]]
+    warm = hostcheck.judge_gpus(hot, 8, THRESHOLDS)
     assert warm["state"] == WARN and "88 C" in warm["detail"]
 
 
 def test_auto_vendor_without_gpu_tools_is_skipped(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, vendor="auto", gpus=8)
-    assert hostcheck.detect_vendor() == "none"  # this machine has neither nvidia-smi nor rocm-smi
+    assert vendors.detect_vendor() == "none"  # this machine has no vendor tool
     assert hostcheck.check_gpu(cfg)["state"] == OK
-    assert hostcheck.check_xid(cfg)["detail"].startswith("skipped")
+    assert hostcheck.check_gpu_xid(cfg)["detail"].startswith("skipped")
+
+
+def test_gate_and_exporter_run_the_same_tool_for_amd(tmp_path: Path, monkeypatch) -> None:
+    """amd-smi when installed (rocm-smi only without it), read by the same parser."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "amd-smi"
+    tool.write_text(f"#!/bin/sh\ncat '{FIXTURES / 'amd-smi-metric-8gpu.json'}'\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert vendors.detect_tool() == gpu.detect_source() == "amd-smi"
+    result = hostcheck.check_gpu(_cfg(tmp_path, vendor="auto", gpus=8))
+    assert result["detail"].startswith("8× GPU"), result
+    assert hostcheck.check_gpu(_cfg(tmp_path, vendor="amd", gpus=4))["state"] == CRIT
 
 
 def test_xid_verdicts() -> None:
-    assert hostcheck.parse_xids(KERNEL_LOG) == [13, 79]
-    assert hostcheck.judge_xids([13, 79])["state"] == CRIT
-    assert hostcheck.judge_xids([13])["state"] == WARN
-    assert hostcheck.judge_xids([])["state"] == OK
+    codes = [c for events in nvidia.xid_events(KERNEL_LOG).values() for c, _ in events]
+    assert nvidia.judge_xids(codes)[0] == CRIT
+    assert nvidia.judge_xids([13])[0] == WARN
+    assert nvidia.judge_xids([])[0] == OK
 
 
-def test_rocm_parser() -> None:
-    gpus = hostcheck.parse_rocm_smi(ROCM_SMI)
-    assert len(gpus) == 2 and gpus[1]["temp"] == 97.0 and gpus[0]["driver"] == "6.3.6"
-    assert hostcheck.judge_gpus(gpus, 2, THRESHOLDS)["state"] == CRIT  # 97 C
+def test_a_crashing_check_keeps_its_name_and_place(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, gpus=8, rdzv_port=0, python="/nonexistent/python")
+    del cfg["thresholds"]  # every check that reads thresholds or the vendor raises KeyError
+    script = health._script()
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cfg)], capture_output=True, text=True, check=True
+    )
+    checks = json.loads(out.stdout)["checks"]
+    assert [c["name"] for c in checks] == [
+        "disk",
+        "shared_fs",
+        "memory",
+        "load",
+        "gpu",
+        "gpu_xid",
+        "python_env",
+    ]
+    assert checks[5]["state"] == UNKNOWN and "KeyError" in checks[5]["detail"]
 
 
 def test_clock_skew_is_bounded_by_the_round_trip() -> None:

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from clusterspec import vendors
 from trainer import flops
-from trainer.flops import PEAK_BF16_FLOPS, flops_per_token, measure_gemm_flops, peak_flops
+from trainer.flops import flops_per_token, measure_gemm_flops, peak_flops
 from trainer.model import RecurrentLM, model_config
 
 TINY = model_config("tiny")  # d=64, mlp 176, prelude/core/coda 1/2/1, vocab 4096
@@ -129,7 +130,10 @@ def test_peak_flops_table_matches_device_names(monkeypatch, name: str, expected:
     value, source = peak_flops(torch.device("cuda", 0), torch.bfloat16)
     assert value == expected
     assert "datasheet" in source
-    assert set(PEAK_BF16_FLOPS) >= {"MI250X", "MI300X", "A100", "H100", "H200"}
+    known = {key for v in vendors.VENDORS.values() for key in v.PEAK_BF16_FLOPS}
+    assert known >= {"MI250X", "MI300X", "A100", "H100", "H200"}
+    assert vendors.peak_bf16_flops("NVIDIA H100 PCIe") == (756e12, "H100 PCIe")
+    assert vendors.peak_bf16_flops("AMD Instinct MI300X") == (1307e12, "MI300X")
 
 
 def test_unknown_gpu_falls_back_to_measuring(monkeypatch) -> None:

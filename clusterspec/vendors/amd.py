@@ -1,0 +1,159 @@
+"""AMD: everything rlm-ops knows about the vendor in one place (stdlib only, Python 3.8).
+
+Tools and their flags (amd-smi, and the deprecated rocm-smi where amd-smi is missing), the one
+parser of each tool's output (used by the health gate and the exporter), RAS rules, peak FLOP/s
+and all-reduce floors per SKU, torch's device and backend (ROCm builds of torch keep the "cuda"
+device type and map "nccl" onto RCCL). The roles gpu_amd/comm hold repositories and versions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from clusterspec.vendors.readings import (
+    MIB,
+    GpuReading,
+    ParseResult,
+    ToolError,
+    number,
+    scaled,
+    text_or_none,
+)
+
+NAME = "amd"
+TORCH_DEVICE = "cuda"
+DIST_BACKEND = "nccl"
+# The vendor's own exporter (gpu_exporter role): Prometheus job name and port (file_sd).
+EXPORTER_JOB = ("amd-device-metrics", 5000)
+BANDWIDTH_TEST = "all_reduce_perf"  # rccl-tests
+
+AMD_SMI = ("amd-smi", "metric", "--json")
+ROCM_SMI = ("rocm-smi", "--showallinfo", "--json")
+# Detection order: the current tool before the deprecated one.
+TOOLS = {"amd-smi": AMD_SMI, "rocm-smi": ROCM_SMI}
+KERNEL_LOG = None  # no XID-like kernel messages; RAS errors arrive as ECC counts below
+
+# RAS: any uncorrectable ECC error drains the GPU (judged from the readings, like NVIDIA's ECC).
+XID_CRITICAL: set = set()
+XID_WARNING: set = set()
+
+# Dense bf16 matrix peak per device (one GCD for MI250X), from the datasheets.
+PEAK_BF16_FLOPS = {"MI250X": 191.5e12, "MI300X": 1307e12}
+# Published single-node busbw of a 16 GiB all-reduce (rccl-tests), GB/s.
+BUSBW_FLOORS_GBPS = {"MI300X": 314.0}
+
+
+def _value(node: Any, *path: str) -> float | None:
+    """A number at `path`, unwrapping amd-smi's {"value": x, "unit": u} objects."""
+    for key in path:
+        if not isinstance(node, dict):
+            return None
+        node = node.get(key)
+    if isinstance(node, dict):
+        node = node.get("value")
+    return number(node)
+
+
+def _mib(node: Any, *path: str) -> float | None:
+    # amd-smi prints VRAM in "MB" that are MiB (a 192 GiB MI300X reports 196592 MB).
+    return scaled(_value(node, *path), MIB)
+
+
+def parse_amd_smi(text: str) -> ParseResult:
+    """Parse `amd-smi metric --json` (ROCm 6.x: a list of GPUs; 6.4+/7.x: {"gpu_data": [...]})."""
+    try:
+        data = json.loads(text)
+    except ValueError as error:
+        raise ToolError("amd-smi printed no JSON (" + str(error)[:80] + ")") from None
+    entries = data.get("gpu_data") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ToolError("amd-smi JSON has neither a GPU list nor a gpu_data list")
+    gpus, problems = [], []
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("gpu"), int):
+            problems.append("amd-smi entry without a GPU index: " + str(entry)[:120])
+            continue
+        power_info = entry.get("power") if isinstance(entry.get("power"), dict) else {}
+        throttle = power_info.get("throttle_status")
+        temperature = _value(entry, "temperature", "hotspot")
+        if temperature is None:
+            temperature = _value(entry, "temperature", "edge")
+        power = _value(entry, "power", "socket_power")
+        if power is None:
+            power = _value(entry, "power", "average_socket_power")
+        gpus.append(
+            GpuReading(
+                gpu=str(entry["gpu"]),
+                utilization_ratio=scaled(_value(entry, "usage", "gfx_activity"), 0.01),
+                memory_used_bytes=_mib(entry, "mem_usage", "used_vram"),
+                memory_total_bytes=_mib(entry, "mem_usage", "total_vram"),
+                temperature_celsius=temperature,
+                power_watts=power,
+                ecc_uncorrected_total=_value(entry, "ecc", "total_uncorrectable_count"),
+                ecc_corrected_total=_value(entry, "ecc", "total_correctable_count"),
+                power_throttled={"THROTTLED": 1.0, "UNTHROTTLED": 0.0}.get(throttle),
+            )
+        )
+    return ParseResult(gpus, problems)
+
+
+def _first(card: dict, *keys: str) -> float | None:
+    for key in keys:
+        value = number(card.get(key))
+        if value is not None:
+            return value
+    return None
+
+
+def parse_rocm_smi(text: str) -> ParseResult:
+    """Parse `rocm-smi --showallinfo --json`: {"card0": {"GPU use (%)": "12", ...}, "system": ...}."""
+    try:
+        data = json.loads(text[text.index("{") :] if "{" in text else text)
+    except ValueError as error:
+        raise ToolError("rocm-smi printed no JSON (" + str(error)[:80] + ")") from None
+    if not isinstance(data, dict):
+        raise ToolError("rocm-smi JSON is not an object keyed by card")
+    system = data.get("system") if isinstance(data.get("system"), dict) else {}
+    driver = text_or_none(system.get("Driver version"))
+    gpus, problems = [], []
+    for key, card in data.items():
+        match = re.fullmatch(r"card(\d+)", key)
+        if not match:
+            continue  # "system" holds driver versions
+        if not isinstance(card, dict):
+            problems.append("rocm-smi " + key + " is not an object")
+            continue
+        name = card.get("Card Series") or card.get("Card series") or card.get("Device Name")
+        gpus.append(
+            GpuReading(
+                gpu=match.group(1),
+                utilization_ratio=scaled(_first(card, "GPU use (%)"), 0.01),
+                memory_used_bytes=_first(card, "VRAM Total Used Memory (B)"),
+                memory_total_bytes=_first(card, "VRAM Total Memory (B)"),
+                temperature_celsius=_first(
+                    card, "Temperature (Sensor junction) (C)", "Temperature (Sensor edge) (C)"
+                ),
+                power_watts=_first(
+                    card,
+                    "Current Socket Graphics Package Power (W)",
+                    "Average Graphics Package Power (W)",
+                ),
+                power_limit_watts=_first(card, "Max Graphics Package Power (W)"),
+                name=text_or_none(name),
+                driver=driver,
+            )
+        )
+    return ParseResult(gpus, problems)
+
+
+PARSERS = {"amd-smi": parse_amd_smi, "rocm-smi": parse_rocm_smi}
+
+
+def xid_events(kernel_log: str) -> dict:
+    return {}
+
+
+def judge_xids(codes: list) -> tuple:
+    return "OK", "no kernel-log rules for AMD (RAS errors are judged from ECC counts)"

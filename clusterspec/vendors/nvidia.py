@@ -1,0 +1,126 @@
+"""NVIDIA: everything rlm-ops knows about the vendor in one place (stdlib only, Python 3.8).
+
+Tools and their flags, the one parser of each tool's output (used by the health gate and the
+exporter), the XID rules, peak FLOP/s and all-reduce floors per SKU, torch's device and backend.
+The Ansible roles gpu_nvidia/comm hold the package repositories and driver versions.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+
+from clusterspec.vendors.readings import (
+    MIB,
+    GpuReading,
+    ParseResult,
+    number,
+    pci_key,
+    scaled,
+    text_or_none,
+)
+
+NAME = "nvidia"
+TORCH_DEVICE = "cuda"
+DIST_BACKEND = "nccl"
+# The vendor's own exporter (gpu_exporter role): Prometheus job name and port (file_sd).
+EXPORTER_JOB = ("dcgm", 9400)
+BANDWIDTH_TEST = "all_reduce_perf"  # nccl-tests
+
+# nvidia-smi --query-gpu fields, in the order the CSV columns come back.
+FIELDS = (
+    "index",
+    "pci.bus_id",
+    "utilization.gpu",
+    "memory.used",
+    "memory.total",
+    "temperature.gpu",
+    "power.draw",
+    "enforced.power.limit",
+    "ecc.errors.uncorrected.volatile.total",
+    "ecc.errors.corrected.volatile.total",
+    "clocks_throttle_reasons.sw_power_cap",
+    "name",
+    "driver_version",
+)
+NVIDIA_SMI = ("nvidia-smi", "--query-gpu=" + ",".join(FIELDS), "--format=csv,noheader,nounits")
+# Tool name -> the command whose output its parser reads; detection order.
+TOOLS = {"nvidia-smi": NVIDIA_SMI}
+# The kernel ring buffer is where the driver reports XID events (reading it usually needs root).
+KERNEL_LOG = ("dmesg",)
+
+# XIDs that mean the GPU (or its memory) needs draining, and ones worth a look (facts.md).
+XID_CRITICAL = {48, 62, 64, 74, 79, 92, 94, 95, *range(56, 59), *range(68, 74), *range(75, 78)}
+XID_CRITICAL |= {*range(80, 87), 88, 89, *range(96, 106), *range(110, 121), *range(122, 126)}
+XID_WARNING = {13, 31, 43, 45, 63, 109}
+# "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus."
+_XID_RE = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\): (\d+)")
+
+# Dense bf16 tensor-core peak per device, from the datasheets; longest matching key wins.
+PEAK_BF16_FLOPS = {
+    "A100": 312e12,
+    "H100": 989e12,
+    "H100 PCIe": 756e12,
+    "H200": 989e12,
+}
+# Published single-node busbw of a 16 GiB all-reduce (nccl-tests), GB/s.
+BUSBW_FLOORS_GBPS = {"A100": 228.0, "H100": 460.0, "H200": 480.0}
+
+
+def parse_nvidia_smi(text: str, fields: tuple[str, ...] = FIELDS) -> ParseResult:
+    """Parse `nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits`; `fields` is what
+    was asked for (recordings made with an older field list say theirs)."""
+    gpus, problems = [], []
+    for row in csv.reader(line for line in text.splitlines() if line.strip()):
+        cells = [cell.strip() for cell in row]
+        if len(cells) != len(fields) or not cells[0].isdigit():
+            problems.append("unreadable nvidia-smi line: " + ",".join(cells)[:120])
+            continue
+        values = dict(zip(fields, cells))
+        bus = re.fullmatch(
+            r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.\d", values.get("pci.bus_id", "")
+        )
+        throttle = values.get("clocks_throttle_reasons.sw_power_cap", "").lower()
+        gpus.append(
+            GpuReading(
+                gpu=values["index"],
+                utilization_ratio=scaled(number(values.get("utilization.gpu")), 0.01),
+                memory_used_bytes=scaled(number(values.get("memory.used")), MIB),
+                memory_total_bytes=scaled(number(values.get("memory.total")), MIB),
+                temperature_celsius=number(values.get("temperature.gpu")),
+                power_watts=number(values.get("power.draw")),
+                power_limit_watts=number(values.get("enforced.power.limit")),
+                ecc_uncorrected_total=number(values.get("ecc.errors.uncorrected.volatile.total")),
+                ecc_corrected_total=number(values.get("ecc.errors.corrected.volatile.total")),
+                power_throttled={"active": 1.0, "not active": 0.0}.get(throttle),
+                name=text_or_none(values.get("name")),
+                driver=text_or_none(values.get("driver_version")),
+                pci_bus=pci_key(*bus.groups()) if bus else None,
+            )
+        )
+    return ParseResult(gpus, problems)
+
+
+PARSERS = {"nvidia-smi": parse_nvidia_smi}
+
+
+def xid_events(kernel_log: str) -> dict[tuple[int, int, int], list[tuple[int, str]]]:
+    """(code, line) of each XID in a kernel log, grouped by the GPU's PCI (domain, bus, device)."""
+    events: dict[tuple[int, int, int], list[tuple[int, str]]] = {}
+    for line in kernel_log.splitlines():
+        match = _XID_RE.search(line)
+        if match:
+            key = pci_key(*match.groups()[:3])
+            events.setdefault(key, []).append((int(match.group(4)), line.strip()))
+    return events
+
+
+def judge_xids(codes: list[int]) -> tuple[str, str]:
+    """("CRIT" | "WARN" | "OK", detail) for the XID codes seen."""
+    critical = sorted(set(codes) & XID_CRITICAL)
+    if critical:
+        return "CRIT", "critical XIDs in kernel log: " + str(critical)
+    warning = sorted(set(codes) & XID_WARNING)
+    if warning:
+        return "WARN", "XIDs in kernel log: " + str(warning)
+    return "OK", "no XID errors in kernel log"
