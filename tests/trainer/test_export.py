@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from trainer.checkpoint import MODEL_FILE, CheckpointConfig, CheckpointManager
+from trainer.checkpoint import MODEL_FILE, CheckpointConfig, CheckpointStore
 from trainer.errors import UserError
 from trainer.export import export_checkpoint, generate_text, load_exported
 from trainer.model import PRESETS, RecurrentLM
@@ -39,7 +39,7 @@ def checkpoint(
         "progress": {"step": 7},
         "config": config,
     }
-    assert CheckpointManager(run, CheckpointConfig(), 0, 1).save(7, state)
+    assert CheckpointStore(run, CheckpointConfig(), 0, 1).save(7, state)
     return run.checkpoint_path(7), model
 
 
