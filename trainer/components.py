@@ -112,7 +112,8 @@ class DataCursor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["progress"]
         self.position = saved["sample_index"]
-        if saved.get("data_fingerprint") != self.dataset.fingerprint:
+        # No fingerprint: a checkpoint imported from published weights, which saw no data here.
+        if saved.get("data_fingerprint") not in (None, self.dataset.fingerprint):
             log.warning(
                 "resuming on different data (fingerprint %s, checkpoint has %s): the data order "
                 "continues at sample %d of the new dataset",
@@ -150,14 +151,16 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if state["optimizer"]:  # empty in an imported checkpoint: start the optimizer fresh
+                self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             first = str(exc).strip().splitlines()[0]
             raise ConfigError(
                 f"the checkpoint does not fit this model/optimizer config ({first}); "
                 "use the config it was trained with, or checkpoint.resume=never"
             ) from None
-        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 

@@ -153,9 +153,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """
     shape = (x.shape[1],) + (1,) * (x.dim() - 3) + (x.shape[-1] // 2,)
     cos, sin = cos.view(shape), sin.view(shape)
-    even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    even, odd = _at_least_fp32(x).unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or in its own dtype when that is wider (float64 in the golden tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class RMSNorm(nn.Module):
@@ -166,7 +171,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 even under bf16 autocast: a mean of bf16 squares loses precision.
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+        return F.rms_norm(_at_least_fp32(x), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -182,7 +187,7 @@ class Attention(nn.Module):
         b, t, d = x.shape
         qkv = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim)
         # q and k biased and rotated in one fp32 pass, then back to the activations' dtype
-        qk = qkv[:, :, :2].float() + self.qk_bias.transpose(0, 1)
+        qk = _at_least_fp32(qkv[:, :, :2]) + self.qk_bias.transpose(0, 1)
         q, k = apply_rope(qk, cos, sin).to(qkv.dtype).unbind(2)
         v = qkv[:, :, 2]
         y = F.scaled_dot_product_attention(
@@ -277,9 +282,13 @@ class RecurrentLM(nn.Module):
             else:
                 s = out_std if name.endswith("proj.weight") else std
                 nn.init.trunc_normal_(p, std=s, a=-3 * s, b=3 * s)
+        self.reset_rope()
+
+    def reset_rope(self) -> None:
+        """(Re)compute the fp32 RoPE tables, once per model and device (not per forward)."""
         cos, sin = rope_cache(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_base)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        device = self.embedding.weight.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def param_counts(self) -> ParamCounts:
         """Parameter counts by group; works on the meta device (nothing is allocated)."""
