@@ -1,7 +1,7 @@
 """Checkpoint benchmark: save vs raw write, async stall vs sync, load time (prints figures).
 
 A synthetic training state of about 300 MB (fp32 weights plus two AdamW moments) is saved by
-CheckpointManager and compared with writing the same tensor bytes straight to disk (write + fsync).
+CheckpointStore and compared with writing the same tensor bytes straight to disk (write + fsync).
 The async figure is the time the training thread spends blocked inside `save()`; while the
 background write runs, a CPU matmul loop stands in for training and its slowdown is printed too.
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import CheckpointConfig, CheckpointManager, state_nbytes
+from trainer.checkpoint import CheckpointConfig, CheckpointStore, state_nbytes
 from trainer.rundir import RunDir
 
 
@@ -108,7 +108,7 @@ def main() -> None:
 
         raw = [raw_write(state, base / "raw.bin") for _ in range(args.repeats)]
         sync_run = RunDir(base / "sync").create()
-        sync = CheckpointManager(sync_run, CheckpointConfig(keep_last=1), 0, 1)
+        sync = CheckpointStore(sync_run, CheckpointConfig(keep_last=1), 0, 1)
         saves, files, manifests, phases = [], [], [], {}
         sync.phase_hook = lambda phase: phases.setdefault(phase, time.perf_counter())
         for step in range(1, args.repeats + 1):
@@ -130,17 +130,17 @@ def main() -> None:
         )
 
         start = time.perf_counter()
-        loaded = CheckpointManager(sync_run, CheckpointConfig(), 0, 1).load()
+        loaded = CheckpointStore(sync_run, CheckpointConfig(), 0, 1).load()
         load_s = time.perf_counter() - start
         assert loaded is not None
         start = time.perf_counter()
-        CheckpointManager(sync_run, CheckpointConfig(verify="full"), 0, 1).load()
+        CheckpointStore(sync_run, CheckpointConfig(verify="full"), 0, 1).load()
         load_full_s = time.perf_counter() - start
         print(f"load (verify=size): {load_s:6.2f} s   load (verify=full): {load_full_s:6.2f} s")
         del loaded
 
         async_run = RunDir(base / "async").create()
-        mgr = CheckpointManager(async_run, CheckpointConfig(keep_last=1, async_save=True), 0, 1)
+        mgr = CheckpointStore(async_run, CheckpointConfig(keep_last=1, async_save=True), 0, 1)
         baseline_rate = matmul_rate(1.0)
         stalls, slowdowns = [], []
         for step in range(1, args.repeats + 1):

@@ -63,9 +63,9 @@ def shape(preset: str | None, params: float | None, seq_len: int | None) -> dict
 def param_count(cfg: Any) -> int:
     """Parameters of a RecurrentLM config without building it (tied embedding counted once)."""
     d, h = cfg.d_model, cfg.mlp_hidden
-    block = 4 * d * d + 3 * d * h + 4 * d  # attention, SwiGLU, four sandwich norms
+    block = 4 * d * d + 3 * d * h + 6 * d  # attention, SwiGLU, four sandwich norms, qk bias
     blocks = cfg.n_prelude + cfg.n_core + cfg.n_coda
-    return cfg.vocab_size * d + blocks * block + 2 * d * d + 2 * d
+    return cfg.vocab_size * d + blocks * block + 2 * d * d + d  # + adapter, one ln_f
 
 
 def activation_bytes(model: dict[str, Any], micro_batch: int, checkpointing: bool) -> int:

@@ -259,7 +259,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class CheckpointManager:
+class CheckpointStore:
     """Saves and loads the checkpoints of one run; only rank 0 writes.
 
     `save` returns False (and counts a failure) when a save did not produce a checkpoint; with
@@ -560,3 +560,93 @@ class CheckpointManager:
     def _warn(self, message: str) -> None:
         if self.rank == 0:
             log.warning("%s", message)
+
+
+class CheckpointManager:
+    """Owns what a run's checkpoints hold (the registered components) and when one is written.
+
+    Components register with `rolled_back=True` when a rollback restores them (model, optimizer,
+    step); the others (data cursor, counters, RNG) keep moving forward. `save`, `load` and
+    `roll_back` are collectives: every rank calls them at the same step; rank 0 writes, and
+    `broadcast` (rank 0's object on every rank) makes the ranks agree on a rollback target.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        interval_steps: int,
+        constants: dict[str, Any],
+        broadcast: Callable[[Any], Any] = lambda obj: obj,
+    ) -> None:
+        self.store = store
+        self.broadcast = broadcast
+        self.interval_steps = interval_steps
+        self.constants = constants  # saved as they are (config, version)
+        self._components: list[tuple[Any, bool]] = []
+        self.saved_step: int | None = None  # the step of the newest checkpoint of this run
+
+    def register(self, component: Any, *, rolled_back: bool = False) -> None:
+        self._components.append((component, rolled_back))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The registered components' entries merged into one checkpoint dict."""
+        state: dict[str, Any] = {}
+        for component, _ in self._components:
+            for key, value in component.state_dict().items():
+                if isinstance(value, dict) and isinstance(state.get(key), dict):
+                    state[key] = {**state[key], **value}
+                else:
+                    state[key] = value
+        return {**state, **self.constants}
+
+    def save(self, step: int, last: bool = False) -> bool:
+        """Save at every `interval_steps` and when `last` (final step, stop request) unless this
+        step is already saved. True when a save was made (or started, with async_save)."""
+        due = step % self.interval_steps == 0 or last
+        if not due or step == self.saved_step:
+            return False
+        self.store.save(step, self.state_dict())
+        self.saved_step = step
+        return True
+
+    def load(self) -> bool:
+        """Resume every component from the checkpoint `checkpoint.resume` picks; False: fresh."""
+        state = self.store.load()
+        if state is None:
+            return False
+        for component, _ in self._components:
+            component.load_state_dict(state)
+        self.saved_step = state["progress"]["step"]
+        return True
+
+    def roll_back(self, before_step: int) -> tuple[Path, dict[str, Any]] | None:
+        """Restore the rolled-back components from the newest verified checkpoint older than
+        `before_step`; newer checkpoints are set aside. None when there is no such checkpoint."""
+        self.store.wait()  # an async save in flight may be the target
+        target = self.store.latest_before(before_step) if self.store.rank == 0 else None
+        chosen = self.broadcast(str(target.path) if target else None)
+        if chosen is None:
+            return None
+        path = Path(chosen)
+        state = self.store.read(path)
+        for component, rolled_back in self._components:
+            if rolled_back:
+                component.load_state_dict(state)
+        self.saved_step = state["progress"]["step"]
+        self.store.set_aside_newer(self.saved_step)
+        return path, state
+
+    def wait(self) -> None:
+        self.store.wait()
+
+    @property
+    def loaded_path(self) -> Path | None:
+        return self.store.loaded_path
+
+    @property
+    def saves(self) -> int:
+        return self.store.saves
+
+    @property
+    def failures(self) -> int:
+        return self.store.failures

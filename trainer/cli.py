@@ -1,4 +1,5 @@
-"""`rlm-train` / `python -m trainer`: prepare data, train, list checkpoints, export, generate.
+"""`rlm-train` / `python -m trainer`: prepare data, train, list checkpoints, export, import-hf,
+generate.
 
 Heavy imports (torch) happen inside the commands that need them: `checkpoints` stays torch-free so
 that it answers in a fraction of a second on a login node.
@@ -115,10 +116,22 @@ def export(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (step-XXXXXXXX).")],
     out: Annotated[Path, typer.Argument(help="New directory for safetensors + config.")],
 ) -> None:
-    """Export a checkpoint's weights as safetensors with config and tokenizer."""
+    """Export a checkpoint in the published Hugging Face layout (config.json, safetensors)."""
     from trainer.export import export_checkpoint
 
     typer.echo(f"exported to {export_checkpoint(checkpoint, out)}")
+
+
+@app.command("import-hf")
+def import_hf(
+    hf_dir: Annotated[Path, typer.Argument(help="Directory in the published Huginn HF layout.")],
+    run_dir: Annotated[Path, typer.Argument(help="Run directory to create the checkpoint in.")],
+) -> None:
+    """Import published weights as a step-0 checkpoint that `train` and `generate` use."""
+    from trainer.export import import_hf as import_weights
+
+    path = import_weights(hf_dir, run_dir)
+    typer.echo(f"imported {hf_dir} as {path}; continue with `train ... run_dir={run_dir}`")
 
 
 @app.command()

@@ -40,11 +40,7 @@ class TrainConfig:
     max_nonfinite: int = 5  # consecutive non-finite steps before a rollback (or stop)
     on_nonfinite: Literal["rollback", "stop"] = "rollback"  # after max_nonfinite in a row
     max_rollbacks: int = 3  # rollbacks per trainer process before giving up (exit 4)
-    debug_nan_steps: tuple[int, ...] = ()  # debug: poison the batches an uninterrupted run
-    # trains at these steps (1-based) with a NaN loss; the poison follows the data, not the step
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
-    ledger: bool = False  # debug: each rank appends its global sample positions per step to
-    # run_dir/ledger-rank<r>.jsonl (the resume tests check for repeats and gaps)
 
 
 @dataclass
@@ -74,7 +70,6 @@ class CommConfig:
     bucket_mb: float = 25.0  # DDP gradient bucket size
     timeout_s: float = 600.0  # process-group timeout for hung collectives
     startup_timeout_s: float = 120.0  # every rank must answer the startup all-reduce this soon
-    debug_stall_rank: int = -1  # debug: this rank hangs before the startup check; -1 = none
 
 
 @dataclass
@@ -317,10 +312,6 @@ def validate(cfg: Config) -> None:
         (t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}"),
         (t.max_nonfinite >= 1, f"train.max_nonfinite must be >= 1, got {t.max_nonfinite}"),
         (t.max_rollbacks >= 0, f"train.max_rollbacks must be >= 0, got {t.max_rollbacks}"),
-        (
-            all(s >= 1 for s in t.debug_nan_steps),
-            f"train.debug_nan_steps must be steps >= 1, got {t.debug_nan_steps}",
-        ),
         (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
         (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
         (all(0 <= b < 1 for b in o.betas), f"optim.betas must lie in [0, 1), got {o.betas}"),

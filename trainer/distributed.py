@@ -18,9 +18,7 @@ NCCL/RCCL with async error handling tear the process down).
 import logging
 import os
 import re
-import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -133,8 +131,6 @@ def startup_check(env: DistEnv, cfg: CommConfig) -> str | None:
     """
     if env.world_size < 2:
         return None
-    if env.rank == cfg.debug_stall_rank:
-        _stall_forever(env)
     timeout = timedelta(seconds=cfg.startup_timeout_s)
     try:
         dist.monitored_barrier(env.startup_group, timeout=timeout, wait_all_ranks=True)
@@ -197,13 +193,6 @@ def describe_peer_timeout(exc: RuntimeError, env: DistEnv, cfg: CommConfig) -> s
 
 def _host(env: DistEnv, rank: int) -> str:
     return env.hosts[rank] if rank < len(env.hosts) else "unknown host"
-
-
-def _stall_forever(env: DistEnv) -> None:
-    """comm.debug_stall_rank: hang like a stuck worker (the launcher's SIGTERM still ends it)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    log.warning("rank %d: comm.debug_stall_rank: stalling", env.rank)
-    threading.Event().wait()
 
 
 @dataclass

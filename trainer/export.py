@@ -1,35 +1,30 @@
-"""Export a checkpoint as safetensors + config.json + tokenizer, and generate text from either.
+"""Checkpoints to and from the published Hugging Face layout, and text generation from either.
 
-An export directory holds
-
-    model.safetensors   the RecurrentLM weights (the head is tied to embedding.weight, stored once)
-    config.json         the ModelConfig fields plus model_type/architectures/step
-    tokenizer.json      copied from the dataset the run trained on, when it is still there
-
-docs/checkpoints.md maps these names onto what a `transformers` modelling class would need.
+`export` writes a checkpoint in the layout of the published Huginn model (trainer/hf.py):
+config.json with RavenConfig's field names, model.safetensors (sharded with an index above 5 GiB)
+with its parameter names, and tokenizer.json when the run's dataset still has it. `import-hf`
+reads that layout into a trainer checkpoint (step 0, weights only) that `train` continues from
+and `generate` samples from.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
 
-from trainer.checkpoint import MODEL_FILE, TRAINER_STATE_FILE
+import trainer
+from trainer.checkpoint import MODEL_FILE, TRAINER_STATE_FILE, CheckpointConfig, CheckpointStore
 from trainer.errors import UserError
+from trainer.hf import is_hf_dir, load_hf, save_hf
 from trainer.model import ModelConfig, RecurrentLM
-from trainer.rundir import MANIFEST_NAME, verify_checkpoint, write_json_atomic
+from trainer.rundir import MANIFEST_NAME, RunDir, verify_checkpoint
 
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
-MODEL_TYPE = "rlm-recurrent"
 
 
 def _model_config(values: dict[str, Any], source: Path) -> ModelConfig:
@@ -59,37 +54,41 @@ def _read_checkpoint(checkpoint_dir: Path) -> tuple[RecurrentLM, dict[str, Any]]
     return model.eval(), {"config": config, "step": info.step}
 
 
-def _dataset_tokenizer(config: dict[str, Any]) -> Path | None:
+def _checkpoint_tokenizer(config: dict[str, Any]) -> Path | None:
+    """The tokenizer an imported checkpoint came with, or its dataset's."""
+    candidates = [config.get("tokenizer")]
     data_path = (config.get("data") or {}).get("path")
-    if not data_path:
-        return None
-    path = Path(data_path) / TOKENIZER_NAME
-    return path if path.is_file() else None
+    if data_path:
+        candidates.append(str(Path(data_path) / TOKENIZER_NAME))
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
 
 
-def export_checkpoint(checkpoint_dir: Path | str, out_dir: Path | str) -> Path:
-    """Write model.safetensors, config.json and tokenizer.json for a checkpoint into `out_dir`.
+def _fresh_dir(out_dir: Path) -> Path:
+    """A hidden sibling to write into before renaming it to `out_dir`."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserError(f"{out_dir} already exists and is not empty; choose a new directory")
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def export_checkpoint(
+    checkpoint_dir: Path | str, out_dir: Path | str, max_shard_bytes: int = 5 << 30
+) -> Path:
+    """Write a checkpoint into `out_dir` in the published Hugging Face layout.
 
     The directory appears complete or not at all: it is written under a temporary name first.
     """
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise UserError(f"{out_dir} already exists and is not empty; choose a new export directory")
     model, saved = _read_checkpoint(checkpoint_dir)
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_dir(out_dir)
     try:
-        save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        config = {
-            "model_type": MODEL_TYPE,
-            "architectures": ["RecurrentLM"],
-            "tie_word_embeddings": True,
-            "step": saved["step"],
-            **dataclasses.asdict(model.cfg),
-        }
-        write_json_atomic(tmp / CONFIG_NAME, config)
-        tokenizer = _dataset_tokenizer(saved["config"])
+        save_hf(model, tmp, max_shard_bytes=max_shard_bytes)
+        tokenizer = _checkpoint_tokenizer(saved["config"])
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
         if out_dir.exists():
@@ -102,29 +101,56 @@ def export_checkpoint(checkpoint_dir: Path | str, out_dir: Path | str) -> Path:
 
 
 def load_exported(out_dir: Path | str) -> RecurrentLM:
-    """The RecurrentLM of an export directory, on CPU, in eval mode."""
-    out_dir = Path(out_dir)
-    try:
-        values = json.loads((out_dir / CONFIG_NAME).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    """The RecurrentLM of a directory in the published layout, on CPU, in eval mode."""
+    return load_hf(Path(out_dir))
+
+
+def import_hf(hf_dir: Path | str, run_dir: Path | str) -> Path:
+    """A trainer checkpoint (step 0) in `run_dir` from a directory in the published layout.
+
+    It holds the weights only: a `train` that resumes from it starts its optimizer state and
+    schedule fresh. The tokenizer.json next to the weights is copied into the run directory.
+    """
+    hf_dir, run = Path(hf_dir), RunDir(run_dir)
+    if not is_hf_dir(hf_dir):
         raise UserError(
-            f"{out_dir} is not an export directory ({exc.__class__.__name__})"
-        ) from None
-    model = RecurrentLM(_model_config(values, out_dir))
-    load_model(model, str(out_dir / WEIGHTS_NAME))
-    return model.eval()
+            f"{hf_dir} has no config.json with model.safetensors or model.safetensors.index.json"
+        )
+    if run.checkpoints():
+        raise UserError(f"{run.path} already has checkpoints; import into a new run directory")
+    model = load_hf(hf_dir)
+    run.create()
+    config: dict[str, Any] = {"model": dataclasses.asdict(model.cfg), "imported_from": str(hf_dir)}
+    if (hf_dir / TOKENIZER_NAME).is_file():
+        shutil.copyfile(hf_dir / TOKENIZER_NAME, run.path / TOKENIZER_NAME)
+        config["tokenizer"] = str((run.path / TOKENIZER_NAME).resolve())
+    state = {
+        "model": model.state_dict(),
+        "optimizer": {},  # no optimizer state: training starts it fresh
+        "scheduler": None,
+        "scaler": None,
+        "progress": {"step": 0, "tokens": 0, "sample_index": 0, "epoch": 0},
+        "rng": [],
+        "config": config,
+        "version": trainer.__version__,
+    }
+    store = CheckpointStore(run, CheckpointConfig(verify="full"), 0, 1)
+    if not store.save(0, state):
+        raise UserError(f"could not write the checkpoint into {run.checkpoints_dir}")
+    return run.checkpoint_path(0)
 
 
 def _load_any(path: Path) -> tuple[RecurrentLM, Path | None]:
     """A model from a checkpoint or an export directory, with the tokenizer that belongs to it."""
     if (path / MANIFEST_NAME).exists():
         model, saved = _read_checkpoint(path)
-        return model, _dataset_tokenizer(saved["config"])
-    if (path / WEIGHTS_NAME).exists():
+        return model, _checkpoint_tokenizer(saved["config"])
+    if is_hf_dir(path):
         tokenizer = path / TOKENIZER_NAME
-        return load_exported(path), tokenizer if tokenizer.is_file() else None
+        return load_hf(path), tokenizer if tokenizer.is_file() else None
     raise UserError(
-        f"{path} is neither a checkpoint (manifest.json) nor an export (model.safetensors)"
+        f"{path} is neither a checkpoint (manifest.json) nor an export (config.json + "
+        "model.safetensors)"
     )
 
 

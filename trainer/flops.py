@@ -4,8 +4,9 @@ Convention (PaLM appendix B, as used by nanoGPT and torchtitan), per token of a 
 
 * A matmul with N weights costs 2·N FLOPs forward and 4·N backward (input and weight grads),
   so a differentiated layer costs 6·N and a layer run under `torch.no_grad()` costs 2·N.
-* Counted weights: every block (prelude, core, coda, including their RMSNorm gains), the
-  adapter, the final norms, and the tied head's logits matmul (d·vocab, so 6·d·vocab when
+* Counted weights: every block (prelude, core, coda, including their RMSNorm gains and qk
+  bias), the adapter, the final norm `ln_f` twice (it runs after the recurrence and again
+  before the head), and the tied head's logits matmul (d·vocab, so 6·d·vocab when
   trained). The embedding lookup is a gather and costs nothing.
 * Attention scores and the weighted sum (QKᵀ and AV) add 2·2·H·Q·T forward per layer, i.e.
   12·H·Q·T when differentiated and 4·H·Q·T without backward. Like PaLM we do not halve for the
@@ -63,7 +64,7 @@ def flops_per_token(
 
     useful = (
         2 * prelude_passes * counts.prelude
-        + 6 * (counts.coda + counts.norm + head)
+        + 6 * (counts.coda + 2 * counts.norm + head)
         + 6 * grad_steps * per_step
         + 2 * nograd_steps * per_step
         + attn * prelude_passes * cfg.n_prelude
@@ -73,7 +74,7 @@ def flops_per_token(
     recompute = 0.0
     if cfg.activation_checkpointing:
         recompute = grad_steps * (2 * per_step + attn * cfg.n_core)
-    fixed = counts.prelude + counts.coda + counts.norm + head
+    fixed = counts.prelude + counts.coda + 2 * counts.norm + head
     layers = cfg.n_prelude + cfg.n_coda + cfg.n_core * num_steps
     inference = 2 * (fixed + num_steps * per_step) + attn * layers
     return FlopsPerToken(

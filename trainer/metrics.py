@@ -1,22 +1,44 @@
-"""What the trainer reports: log lines, and the Prometheus endpoint with `/healthz` on rank 0.
+"""What the trainer reports, all from one `Reporter`: metrics.jsonl, status.json, events.jsonl,
+log lines, and the Prometheus endpoint with `/healthz` on rank 0.
 
-metrics.jsonl and status.json are written through `trainer.rundir.RunDir`; this module turns the
-same per-step records into `rlm_train_*` series (names fixed by docs/architecture.md, base units,
-every series labelled with the run name) on a private registry, so that several trainers in one
-process (tests) never collide.
+The loop hands the reporter typed results (`StepResult`, validation losses, checkpoint saves);
+the reporter alone decides what goes where. The files are written through `trainer.rundir.RunDir`;
+`TrainMetrics` turns the same per-step records into `rlm_train_*` series (names fixed by
+docs/architecture.md, base units, every series labelled with the run name) on a private
+registry, so that several trainers in one process (tests) never collide. A new trainer metric
+touches this module and docs/trainer.md, nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
+import os
+import resource
+import socket
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+
+from trainer.checkpoint import CheckpointManager
+from trainer.components import StepHealth
+from trainer.config import Config
+from trainer.distributed import CommStats, DistEnv
+from trainer.errors import ConfigError
+from trainer.flops import flops_per_token
+from trainer.model import ParamCounts
+from trainer.rundir import ExitCode, RunDir, write_json_atomic
+
+log = logging.getLogger("trainer")
 
 # Train-record field → gauge name. Counters are fed from running totals instead (see `_advance`).
 _GAUGES = {
@@ -159,3 +181,235 @@ def log_line(record: dict[str, Any], max_steps: int) -> str:
 def validation_line(step: int, losses: dict[int, float], perplexity: dict[int, float]) -> str:
     depths = "  ".join(f"r={d}: {perplexity[d]:.2f}" for d in sorted(perplexity))
     return f"val step {step} perplexity  {depths}"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did, as `train_step` returns it."""
+
+    step: int  # optimizer steps done after this one
+    loss: float  # mean over the global batch; may be nan/inf
+    grad_norm: float  # before clipping; may be nan/inf
+    lr: float  # the learning rate this step used
+    finite: bool  # False: the update was dropped
+    recurrence: int  # core iterations r
+    backprop_depth: int  # differentiated iterations k
+    tokens: int  # tokens trained on so far
+    tokens_per_step: int
+    step_time: float
+    data_time: float
+    comm_bytes: int  # gradient bytes this rank handed to all-reduce in this step
+    loss_scale: float | None  # fp16 grad scaler's scale after the step
+    stop_requested: bool  # some rank received SIGTERM/SIGUSR1
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _finite_or_text(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
+class Reporter:
+    """The one writer of metrics.jsonl, status.json, events.jsonl and the Prometheus series.
+
+    Files and series are written on rank 0 only; warnings are logged on every rank.
+    """
+
+    def __init__(self, cfg: Config, env: DistEnv, run_dir: RunDir) -> None:
+        self.cfg, self.env, self.run_dir = cfg, env, run_dir
+        self.metrics: TrainMetrics | None = None
+        self.comm: CommStats | None = None
+        self.peak = 0.0
+        self.seq_len = 0
+        self.comm_bytes_total = 0
+        self.checkpoints: CheckpointManager | None = None
+
+    def _status(self, **fields: Any) -> None:
+        self.run_dir.write_status(
+            **fields,
+            checkpoint_interval_steps=self.cfg.checkpoint.interval_steps,
+            max_steps=self.cfg.train.steps,
+        )
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if self.env.is_main:
+            self.run_dir.append_event(kind, **fields)
+
+    def starting(self) -> None:
+        """status.json says "starting" (keeping the previous step and loss visible until the first
+        new step); the metrics endpoint comes up."""
+        if not self.env.is_main:
+            return
+        previous = self.run_dir.read_status()
+        previous.pop("exit_code", None)
+        self.run_dir.write_status(**{**previous, "state": "starting", "updated": time.time()})
+        self.metrics = TrainMetrics(self.run_dir.name, self.cfg.checkpoint.interval_steps)
+        host, port = self.cfg.metrics.host, self.cfg.metrics.port
+        if port:
+            try:
+                port = self.metrics.serve(host, port)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot serve metrics on {host}:{port} ({exc.strerror}); "
+                    "choose another metrics.port, or 0 to disable"
+                ) from None
+            log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def started(
+        self,
+        step: int,
+        counts: ParamCounts,
+        accum_steps: int,
+        seq_len: int,
+        peak: tuple[float, str],
+        comm: CommStats | None,
+        checkpoints: CheckpointManager,
+    ) -> None:
+        """The loop is about to run its first step."""
+        self.comm, self.seq_len, self.peak = comm, seq_len, peak[0]
+        self.checkpoints = checkpoints
+        resumed_from = str(checkpoints.loaded_path) if checkpoints.loaded_path else None
+        if not self.env.is_main:
+            return
+        tcfg = self.cfg.train
+        log.info(
+            "model %s: %.2fM parameters (%.2fM non-embedding); world %d, %d micro-batches of %d "
+            "per rank per step, %d tokens/step; peak %.2f TFLOP/s (%s)",
+            self.cfg.preset,
+            counts.total / 1e6,
+            counts.non_embedding / 1e6,
+            self.env.world_size,
+            accum_steps,
+            tcfg.micro_batch,
+            tcfg.global_batch * seq_len,
+            peak[0] / 1e12,
+            peak[1],
+        )
+        self.event(
+            "start",
+            step=step,
+            world_size=self.env.world_size,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            resumed_from=resumed_from,
+        )
+        self._status(state="running", step=step, loss=None, tokens_per_s=None)
+        assert self.metrics is not None
+        self.metrics.set_state("running")
+
+    def step(self, result: StepResult, health: StepHealth) -> None:
+        """One optimizer step: a metrics.jsonl record, the series, a log line and status.json
+        every `metrics.log_every` steps, a `nonfinite` event for a dropped update."""
+        self.comm_bytes_total += result.comm_bytes
+        if not result.finite:
+            log.warning(
+                "step %d: non-finite loss %s / grad norm %s; update dropped (%d in a row)",
+                result.step,
+                result.loss,
+                result.grad_norm,
+                health.nonfinite_in_a_row,
+            )
+            self.event(
+                "nonfinite",
+                step=result.step,
+                loss=str(result.loss),
+                grad_norm=str(result.grad_norm),
+            )
+        if not self.env.is_main:
+            return
+        assert self.metrics is not None
+        mcfg = self.cfg.model
+        flops = flops_per_token(mcfg, result.recurrence, result.backprop_depth, self.seq_len)
+        per_device = flops.useful * result.tokens_per_step / self.env.world_size / result.step_time
+        record = {
+            "kind": "train",
+            "step": result.step,
+            "loss": _finite_or_text(result.loss),
+            "lr": result.lr,
+            "grad_norm": _finite_or_text(result.grad_norm),
+            "tokens": result.tokens,
+            "tokens_per_s": result.tokens_per_step / result.step_time,
+            "step_time": result.step_time,
+            "data_time": result.data_time,
+            "recurrence": result.recurrence,
+            "backprop_depth": result.backprop_depth,
+            "comm_bytes": result.comm_bytes,
+            "comm_wire_bytes": self.comm.ring_wire_bytes(result.comm_bytes) if self.comm else 0.0,
+            "tflops": per_device / 1e12,
+            "mfu": per_device / self.peak if self.peak else 0.0,
+            "peak_memory_bytes": peak_memory_bytes(self.env.device),
+            "loss_scale": result.loss_scale,
+            "time": time.time(),
+        }
+        self.run_dir.append_metrics(record)
+        numbers = {"loss": result.loss, "grad_norm": result.grad_norm}
+        self.metrics.update(
+            {
+                **record,
+                **numbers,
+                "comm_bytes_total": self.comm_bytes_total,
+                "nonfinite_steps": health.nonfinite_steps,
+                "skipped_steps": health.skipped_steps,
+                "checkpoint_saves": self.checkpoints.saves if self.checkpoints else 0,
+                "checkpoint_failures": self.checkpoints.failures if self.checkpoints else 0,
+            }
+        )
+        if result.step % self.cfg.metrics.log_every == 0 or result.step == self.cfg.train.steps:
+            log.info("%s", log_line(record | numbers, self.cfg.train.steps))
+            self._status(
+                state="running",
+                step=result.step,
+                loss=result.loss if math.isfinite(result.loss) else None,
+                tokens_per_s=record["tokens_per_s"],
+            )
+
+    def checkpoint_saved(self, step: int) -> None:
+        if self.metrics is not None and self.checkpoints is not None:
+            saves, failures = self.checkpoints.saves, self.checkpoints.failures
+            self.metrics.update(
+                {"step": step, "checkpoint_saves": saves, "checkpoint_failures": failures}
+            )
+
+    def validation(self, step: int, losses: dict[int, float]) -> None:
+        if not self.env.is_main:
+            return
+        perplexity = {d: math.exp(min(loss, 50.0)) for d, loss in losses.items()}
+        self.run_dir.append_metrics(
+            {
+                "kind": "val",
+                "step": step,
+                "val_loss": {str(d): v for d, v in losses.items()},
+                "perplexity": {str(d): v for d, v in perplexity.items()},
+                "time": time.time(),
+            }
+        )
+        assert self.metrics is not None
+        self.metrics.update_validation(perplexity)
+        log.info("%s", validation_line(step, losses, perplexity))
+
+    def exit(self, state: str, exit_code: ExitCode, step: int) -> None:
+        """The last word of this process: status.json, an `exit` event, /healthz state."""
+        if not self.env.is_main:
+            return
+        with contextlib.suppress(OSError):  # a full or vanished filesystem must not mask the error
+            status = self.run_dir.read_status()
+            status.update(
+                state=state,
+                step=step,
+                exit_code=int(exit_code),
+                checkpoint_interval_steps=self.cfg.checkpoint.interval_steps,
+                max_steps=self.cfg.train.steps,
+                updated=time.time(),
+            )
+            write_json_atomic(self.run_dir.status_path, status)
+            self.run_dir.append_event("exit", exit_code=int(exit_code), state=state, step=step)
+        if self.metrics is not None:
+            self.metrics.set_state(state)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()

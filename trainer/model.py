@@ -3,7 +3,11 @@
     tokens ─► embedding·√d ─► prelude (P blocks) ─► e
     s₀ ~ truncated normal, fresh each forward
     repeat r times:  s = core(adapter(concat(s, e)))          (C blocks per iteration)
-    RMSNorm(s) ─► coda (K blocks) ─► RMSNorm ─► logits = x · embeddingᵀ (tied head)
+    ln_f(s) ─► coda (K blocks) ─► ln_f ─► logits = x · embeddingᵀ (tied head)
+
+This is the published Huginn-3.5B architecture (seal-rg/recurrent-pretraining): attention adds a
+learned per-head bias to q and k before RoPE, RoPE rotates interleaved pairs (x₂ᵢ, x₂ᵢ₊₁) in
+fp32, and one final RMSNorm (`ln_f`) is applied twice, after the recurrence and before the head.
 
 Only the last min(k, r) core iterations are differentiated (truncated backprop through depth);
 the earlier ones run under `torch.no_grad()`. The depth r is drawn per optimizer step by
@@ -135,19 +139,28 @@ def sample_recurrence(seed: int, step: int, mean: float, sigma: float = 0.5) -> 
 
 
 def rope_cache(head_dim: int, seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim) for rotate-half RoPE."""
+    """fp32 cos/sin tables of shape (seq_len, head_dim / 2): angle t·base^(−2i/head_dim) for pair i."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, ..., D); cos/sin: (T, D)."""
-    shape = (x.shape[1],) + (1,) * (x.dim() - 3) + (x.shape[-1],)
-    cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """Rotate interleaved pairs (x₂ᵢ, x₂ᵢ₊₁) of x: (B, T, ..., D) by cos/sin: (T, D/2).
+
+    The rotation runs in fp32 whatever x's dtype (positions far into a 4096 context lose their
+    angle in bf16); the result has x's dtype.
+    """
+    shape = (x.shape[1],) + (1,) * (x.dim() - 3) + (x.shape[-1] // 2,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    even, odd = _at_least_fp32(x).unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or in its own dtype when that is wider (float64 in the golden tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class RMSNorm(nn.Module):
@@ -158,7 +171,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 even under bf16 autocast: a mean of bf16 squares loses precision.
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+        return F.rms_norm(_at_least_fp32(x), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -166,12 +179,16 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        # Learned per-head bias of q (index 0) and k (index 1), added before RoPE.
+        self.qk_bias = nn.Parameter(torch.zeros(2, 1, cfg.n_heads, cfg.head_dim))
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         qkv = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim)
-        q, k = apply_rope(qkv[:, :, :2], cos, sin).unbind(2)  # q and k rotated in one pass
+        # q and k biased and rotated in one fp32 pass, then back to the activations' dtype
+        qk = _at_least_fp32(qkv[:, :, :2]) + self.qk_bias.transpose(0, 1)
+        q, k = apply_rope(qk, cos, sin).to(qkv.dtype).unbind(2)
         v = qkv[:, :, 2]
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
@@ -217,7 +234,7 @@ class ParamCounts:
     adapter: int
     core: int
     coda: int
-    norm: int  # the two final RMSNorms outside the blocks
+    norm: int  # the final RMSNorm `ln_f` (one module, applied twice)
 
     @property
     def total(self) -> int:
@@ -238,11 +255,11 @@ class RecurrentLM(nn.Module):
         self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
         self.adapter = nn.Linear(2 * d, d, bias=False)
         self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
-        self.core_norm = RMSNorm(d, cfg.norm_eps)
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
-        self.final_norm = RMSNorm(d, cfg.norm_eps)
-        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), False)
-        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), False)
+        self.ln_f = RMSNorm(d, cfg.norm_eps)  # after the recurrence and again before the head
+        half = cfg.head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), False)
         self.init_weights()
         if cfg.compile:
             for block in (*self.prelude, *self.core, *self.coda):
@@ -258,14 +275,20 @@ class RecurrentLM(nn.Module):
         std = self.init_std
         out_std = std / math.sqrt(2 * self.cfg.effective_depth)
         for name, p in self.named_parameters():
-            if name.endswith(("n1.weight", "n2.weight", "n3.weight", "n4.weight", "norm.weight")):
+            if name.endswith(("n1.weight", "n2.weight", "n3.weight", "n4.weight", "ln_f.weight")):
                 p.fill_(1.0)
+            elif name.endswith("qk_bias"):
+                p.zero_()
             else:
                 s = out_std if name.endswith("proj.weight") else std
                 nn.init.trunc_normal_(p, std=s, a=-3 * s, b=3 * s)
+        self.reset_rope()
+
+    def reset_rope(self) -> None:
+        """(Re)compute the fp32 RoPE tables, once per model and device (not per forward)."""
         cos, sin = rope_cache(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_base)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        device = self.embedding.weight.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def param_counts(self) -> ParamCounts:
         """Parameter counts by group; works on the meta device (nothing is allocated)."""
@@ -279,7 +302,7 @@ class RecurrentLM(nn.Module):
             adapter=count(self.adapter),
             core=count(self.core),
             coda=count(self.coda),
-            norm=count(self.core_norm, self.final_norm),
+            norm=count(self.ln_f),
         )
 
     def initial_state(
@@ -349,10 +372,10 @@ class RecurrentLM(nn.Module):
             else:
                 s = self.core_step(s, e, t)
 
-        x = self.core_norm(s)
+        x = self.ln_f(s)
         for block in self.coda:
             x = block(x, cos, sin)
-        logits = F.linear(self.final_norm(x), self.embedding.weight)
+        logits = F.linear(self.ln_f(x), self.embedding.weight)
 
         loss = None
         if labels is not None:

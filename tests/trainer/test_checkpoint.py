@@ -1,4 +1,4 @@
-"""CheckpointManager: atomic saves under SIGKILL, corruption, ENOSPC, retention, async, resume."""
+"""CheckpointStore: atomic saves under SIGKILL, corruption, ENOSPC, retention, async, resume."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from trainer.checkpoint import (
     CheckpointConfig,
     CheckpointError,
     CheckpointManager,
+    CheckpointStore,
 )
 from trainer.errors import ConfigError
 from trainer.model import PRESETS, RecurrentLM
@@ -73,8 +74,8 @@ def assert_same(a: Any, b: Any) -> None:
         assert a == b
 
 
-def manager(path: Path, rank: int = 0, **cfg: Any) -> CheckpointManager:
-    return CheckpointManager(RunDir(path).create(), CheckpointConfig(**cfg), rank, 1)
+def manager(path: Path, rank: int = 0, **cfg: Any) -> CheckpointStore:
+    return CheckpointStore(RunDir(path).create(), CheckpointConfig(**cfg), rank, 1)
 
 
 def step_dirs(path: Path) -> list[str]:
@@ -151,11 +152,11 @@ def test_saving_an_existing_valid_step_again_keeps_it(tmp_path: Path) -> None:
 # crash safety ----------------------------------------------------------------------------------
 CHILD = """
 import os, signal, sys, torch
-from trainer.checkpoint import CheckpointConfig, CheckpointManager
+from trainer.checkpoint import CheckpointConfig, CheckpointStore
 from trainer.rundir import RunDir
 
 run_dir, stop_at, numel = sys.argv[1], sys.argv[2], int(sys.argv[3])
-mgr = CheckpointManager(RunDir(run_dir).create(), CheckpointConfig(keep_last=0), 0, 1)
+mgr = CheckpointStore(RunDir(run_dir).create(), CheckpointConfig(keep_last=0), 0, 1)
 
 def state(step):
     return {"model": {"w": torch.full((numel,), float(step))}, "optimizer": {"m": torch.ones(4)},
@@ -422,3 +423,62 @@ def test_only_temp_dirs_of_dead_processes_on_this_host_are_removed(tmp_path: Pat
     assert manager(tmp_path).save(8, {"model": {}, "optimizer": {}})
     assert hidden_dirs(tmp_path) == sorted(names[:2])
     assert step_dirs(tmp_path) == ["step-00000008"]
+
+
+class Counter:
+    """A stateful component owning `progress.<name>` (and nothing else)."""
+
+    def __init__(self, name: str, value: int = 0) -> None:
+        self.name, self.value = name, value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"progress": {self.name: self.value}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["progress"][self.name]
+
+
+def test_checkpoint_manager_saves_on_the_interval_and_rolls_back_only_what_it_should(
+    tmp_path: Path,
+) -> None:
+    weights = {"w": torch.zeros(3)}
+
+    class Weights:
+        def state_dict(self) -> dict[str, Any]:
+            return {"model": {k: v.clone() for k, v in weights.items()}, "optimizer": {}}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            weights.update(state["model"])
+
+    step, cursor = Counter("step"), Counter("sample_index")
+    store = manager(tmp_path / "run", keep_last=0)
+    checkpoints = CheckpointManager(store, interval_steps=2, constants={"version": "t"})
+    checkpoints.register(Weights(), rolled_back=True)
+    checkpoints.register(step, rolled_back=True)
+    checkpoints.register(cursor)
+    # Entries of components sharing `progress` are merged; constants are saved as given.
+    assert checkpoints.state_dict()["progress"] == {"step": 0, "sample_index": 0}
+
+    saved = []
+    for s in range(1, 6):
+        step.value, cursor.value = s, 10 * s
+        weights["w"] += 1
+        saved.append(checkpoints.save(s, last=s == 5))
+    assert saved == [False, True, False, True, True]
+    assert not checkpoints.save(5, last=True), "a step is saved once"
+    assert [i.step for i in store.run_dir.checkpoints()] == [2, 4, 5]
+
+    path, state = checkpoints.roll_back(before_step=5)
+    assert path.name == "step-00000004" and state["version"] == "t"
+    assert step.value == 4 and torch.equal(weights["w"], torch.full((3,), 4.0))
+    assert cursor.value == 50, "the data cursor is not rolled back"
+    assert [i.step for i in store.run_dir.checkpoints()] == [2, 4]  # step 5 set aside
+    assert checkpoints.roll_back(before_step=2) is None
+
+    fresh_step, fresh_cursor = Counter("step"), Counter("sample_index")
+    resumed = CheckpointManager(manager(tmp_path / "run"), 2, {})
+    resumed.register(fresh_step, rolled_back=True)
+    resumed.register(fresh_cursor)
+    assert resumed.load()
+    assert (fresh_step.value, fresh_cursor.value) == (4, 40)
+    assert not resumed.save(4, last=True), "the step it resumed from is already saved"

@@ -131,3 +131,13 @@ def test_lr_schedules() -> None:
     assert lr_factor(50, 100, wsd) == 1.0
     assert lr_factor(79, 100, wsd) == 1.0
     assert lr_factor(99, 100, wsd) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "override", ["train.debug_nan_steps=2", "train.ledger=true", "comm.debug_stall_rank=1"]
+)
+def test_fault_injection_is_not_configuration(override: str) -> None:
+    # Test-only fault injection lives in tests/trainer/faults.py, behind trainer/hooks.py.
+    with pytest.raises(ConfigError, match="unknown") as info:
+        load_config(TINY, [override])
+    assert "\n" not in str(info.value)

@@ -7,15 +7,18 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
-from trainer.checkpoint import MODEL_FILE, CheckpointConfig, CheckpointManager
+from tests.trainer.training_runs import run_cli, tiny_config
+from trainer.checkpoint import MODEL_FILE, CheckpointConfig, CheckpointStore
 from trainer.errors import UserError
 from trainer.export import export_checkpoint, generate_text, load_exported
 from trainer.model import PRESETS, RecurrentLM
-from trainer.rundir import RunDir
+from trainer.rundir import ExitCode, RunDir
+from trainer.train import train
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +42,20 @@ def checkpoint(
         "progress": {"step": 7},
         "config": config,
     }
-    assert CheckpointManager(run, CheckpointConfig(), 0, 1).save(7, state)
+    assert CheckpointStore(run, CheckpointConfig(), 0, 1).save(7, state)
     return run.checkpoint_path(7), model
 
 
-def test_export_round_trip_gives_identical_logits(
+def logits(model: RecurrentLM, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, num_steps=3, state_seeds=list(range(len(ids)))).logits
+
+
+def some_ids(vocab: int, b: int = 2, t: int = 24) -> torch.Tensor:
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(0))
+
+
+def test_export_writes_the_published_layout_and_imports_to_identical_logits(
     checkpoint: tuple[Path, RecurrentLM], tmp_path: Path
 ) -> None:
     ckpt, original = checkpoint
@@ -54,19 +66,169 @@ def test_export_round_trip_gives_identical_logits(
         "tokenizer.json",
     ]
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "rlm-recurrent" and config["step"] == 7
-    assert config["d_model"] == original.cfg.d_model and config["tie_word_embeddings"] is True
+    assert config["model_type"] == "huginn_raven"
+    assert config["architectures"] == ["RavenForCausalLM"]
+    cfg = original.cfg
+    assert (config["n_embd"], config["n_heads"], config["intermediate_size"]) == (64, 4, 176)
+    assert config["n_layers_in_prelude"] == cfg.n_prelude and config["n_layers"] == 4
+    assert config["n_layers_in_recurrent_block"] == cfg.n_core
+    assert config["qk_bias"] is True and config["tie_embeddings"] is True
+    assert config["block_size"] == cfg.max_seq_len and config["rope_base"] == cfg.rope_base
     with safe_open(out / "model.safetensors", "pt") as f:
-        assert set(f.keys()) == set(original.state_dict())  # the head is embedding.weight
+        names = set(f.keys())
+        assert f.get_tensor("freqs_cis").shape == (1, cfg.max_seq_len, 1, cfg.head_dim // 2, 2)
+    assert {
+        "transformer.wte.weight",
+        "transformer.adapter.weight",
+        "transformer.ln_f.weight",
+        "transformer.prelude.0.attn.Wqkv.weight",
+        "transformer.prelude.0.attn.qk_bias",
+        "transformer.core_block.1.mlp.fc.weight",
+        "transformer.coda.0.norm_4.weight",
+    } <= names
+    assert "lm_head.weight" not in names  # tied, stored once
+    assert len(names) == len(original.state_dict()) + 1  # + freqs_cis
 
-    exported = load_exported(out)
-    ids = torch.randint(
-        0, original.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
+    assert torch.equal(
+        logits(load_exported(out), some_ids(cfg.vocab_size)),
+        logits(original, some_ids(cfg.vocab_size)),
     )
+
+
+def test_sharded_export_with_index_imports_to_identical_logits(
+    checkpoint: tuple[Path, RecurrentLM], tmp_path: Path
+) -> None:
+    ckpt, original = checkpoint
+    out = export_checkpoint(ckpt, tmp_path / "sharded", max_shard_bytes=400_000)
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert not (out / "model.safetensors").exists()
+    ids = some_ids(original.cfg.vocab_size)
+    assert torch.equal(logits(load_exported(out), ids), logits(original, ids))
+
+
+def test_import_hf_makes_a_checkpoint_that_trains_and_generates(
+    checkpoint: tuple[Path, RecurrentLM], tmp_path: Path, prepared_data: Path
+) -> None:
+    ckpt, original = checkpoint
+    out = export_checkpoint(ckpt, tmp_path / "export")
+    result = run_cli("import-hf", str(out), str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    imported = tmp_path / "run" / "checkpoints" / "step-00000000"
+    ids = some_ids(original.cfg.vocab_size)
+    assert torch.equal(
+        logits(load_exported(export_checkpoint(imported, tmp_path / "again")), ids),
+        logits(original, ids),
+    )
+    assert generate_text(imported, "The module", depth=2, max_new_tokens=4) == generate_text(
+        ckpt, "The module", depth=2, max_new_tokens=4
+    )
+    # `train` resumes from it: weights imported, optimizer and schedule fresh, steps 1 and 2.
+    cfg = tiny_config(prepared_data, tmp_path / "run", "train.steps=2")
+    assert train(cfg) == ExitCode.OK
+    records = [r for r in RunDir(tmp_path / "run").read_metrics() if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2]
+    start = next(e for e in RunDir(tmp_path / "run").read_events() if e["event"] == "start")
+    assert start["resumed_from"].endswith("step-00000000")
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"n_experts": 8}, "unknown config field 'n_experts'"),
+        ({"qk_bias": False}, "qk_bias=False is not supported"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads=2 must equal n_heads=4"),
+        ({"model_type": "llama"}, "model_type 'llama'"),
+    ],
+)
+def test_import_rejects_what_it_does_not_know_in_one_line(
+    checkpoint: tuple[Path, RecurrentLM], tmp_path: Path, change: dict, fragment: str
+) -> None:
+    ckpt, _ = checkpoint
+    out = export_checkpoint(ckpt, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **change}))
+    result = run_cli("import-hf", str(out), str(tmp_path / "run"))
+    assert result.returncode != 0
+    assert result.stderr.startswith("error: ") and fragment in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists(), "nothing is written for a config it cannot read"
+
+
+def test_logits_match_an_independent_float64_implementation_of_the_paper() -> None:
+    """Huginn's forward pass written out in numpy float64, from the paper's equations and the
+    published layout, against the model run in float64."""
+    torch.manual_seed(3)
+    model = RecurrentLM(PRESETS["tiny"])
     with torch.no_grad():
-        want = original(ids, num_steps=3, state_seeds=[1, 2]).logits
-        got = exported(ids, num_steps=3, state_seeds=[1, 2]).logits
-    assert torch.equal(want, got)
+        for p in model.parameters():  # make every norm gain and qk bias matter
+            p.add_(torch.randn_like(p) * 0.05)
+    model = model.double().eval()
+    cfg = model.cfg
+    d, heads, hd, t, r, seed = cfg.d_model, cfg.n_heads, cfg.head_dim, 8, 3, 5
+    ids = torch.randint(0, cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids, num_steps=r, state_seeds=[seed]).logits[0].numpy()
+
+    w = {name: p.detach().numpy() for name, p in model.named_parameters()}
+
+    def rms(x, gain):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * gain
+
+    pos = np.arange(t)[:, None]
+    theta = cfg.rope_base ** (-np.arange(0, hd, 2) / hd)  # one frequency per pair (2i, 2i+1)
+    cos, sin = np.cos(pos * theta), np.sin(pos * theta)
+
+    def rope(x):  # x: (t, heads, hd)
+        a, b = x[..., 0::2], x[..., 1::2]
+        c, s = cos[:, None], sin[:, None]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = a * c - b * s, b * c + a * s
+        return out
+
+    def attention(x, p):
+        q, k, v = (x @ w[p + "attn.qkv.weight"].T).reshape(t, 3, heads, hd).transpose(1, 0, 2, 3)
+        bias = w[p + "attn.qk_bias"]  # (2, 1, heads, hd): q then k
+        q, k = rope(q + bias[0]), rope(k + bias[1])
+        scores = np.einsum("qhe,khe->hqk", q, k) / np.sqrt(hd)
+        scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        y = np.einsum("hqk,khe->qhe", probs, v).reshape(t, d)
+        return y @ w[p + "attn.proj.weight"].T
+
+    def mlp(x, p):
+        gate, up = np.split(x @ w[p + "mlp.gate_up.weight"].T, 2, axis=-1)
+        return (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.proj.weight"].T
+
+    def block(x, p):
+        x = rms(attention(rms(x, w[p + "n1.weight"]), p) + x, w[p + "n2.weight"])
+        return rms(mlp(rms(x, w[p + "n3.weight"]), p) + x, w[p + "n4.weight"])
+
+    emb = w["embedding.weight"]
+    x = emb[ids[0].numpy()] * np.sqrt(d)
+    for i in range(cfg.n_prelude):
+        x = block(x, f"prelude.{i}.")
+    e = x
+    # s₀ ~ TruncNormal(0, σ², ±3σ) · √d, σ = √(2/(5d)), drawn from the sample's seeded generator
+    sigma = np.sqrt(2 / (5 * d))
+    s0 = torch.empty(t, d)
+    torch.nn.init.trunc_normal_(
+        s0, std=sigma, a=-3 * sigma, b=3 * sigma, generator=torch.Generator().manual_seed(seed)
+    )
+    s = s0.double().numpy() * np.sqrt(d)
+    for _ in range(r):
+        s = np.concatenate([s, e], axis=-1) @ w["adapter.weight"].T
+        for i in range(cfg.n_core):
+            s = block(s, f"core.{i}.")
+    x = rms(s, w["ln_f.weight"])
+    for i in range(cfg.n_coda):
+        x = block(x, f"coda.{i}.")
+    want = rms(x, w["ln_f.weight"]) @ emb.T
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert np.abs(want).max() > 0.1  # not trivially small
 
 
 def test_generate_from_checkpoint_and_export_agree(

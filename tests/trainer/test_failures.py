@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.faults import Faults, faults_env
 from tests.trainer.training_runs import (
     REPO,
     TINY,
@@ -47,10 +48,9 @@ def test_nonfinite_streak_rolls_back_and_skips_the_bad_data(
         "checkpoint.interval_steps=2",
         "checkpoint.keep_last=0",
         "train.max_nonfinite=2",
-        "train.debug_nan_steps=4,5",  # the data of steps 4 and 5 of an uninterrupted run
-        "train.ledger=true",
     )
-    assert train(cfg) == ExitCode.OK
+    # the data of steps 4 and 5 of an uninterrupted run is poisoned
+    assert train(cfg, hooks=Faults(nan_steps=(4, 5), ledger=True)) == ExitCode.OK
 
     # Steps 4 and 5 are dropped; the streak's own checkpoint (step 4) is no rollback target.
     records = [r for r in run.read_metrics() if r["kind"] == "train"]
@@ -92,10 +92,9 @@ def test_two_ranks_roll_back_together(prepared_data: Path, tmp_path: Path) -> No
         "train.steps=4",
         "checkpoint.interval_steps=1",
         "train.max_nonfinite=2",
-        "train.debug_nan_steps=3,4",
-        "train.ledger=true",
     )
-    result = torchrun(2, "--config", str(TINY), *args, timeout=180)
+    faults = faults_env(nan_steps=(3, 4), ledger=True)
+    result = torchrun(2, "--config", str(TINY), *args, timeout=180, env=faults)
     assert result.returncode == 0, result.stderr[-3000:]
     assert train_steps(run) == [1, 2, 3, 4, 3, 4]
     (rollback,) = events(run, "rollback")
@@ -116,11 +115,11 @@ def test_two_ranks_roll_back_together(prepared_data: Path, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(
-    ("extra", "nonfinite_steps", "rollbacks"),
+    ("extra", "nan_steps", "nonfinite_steps", "rollbacks"),
     [
-        (["train.on_nonfinite=stop", "train.debug_nan_steps=2,3"], [2, 3], 0),
+        (["train.on_nonfinite=stop"], (2, 3), [2, 3], 0),
         # One rollback (to step 1, data moves on to batch 4), then the streak comes back.
-        (["train.max_rollbacks=1", "train.debug_nan_steps=2,3,4,5"], [2, 3, 2, 3], 1),
+        (["train.max_rollbacks=1"], (2, 3, 4, 5), [2, 3, 2, 3], 1),
     ],
     ids=["on_nonfinite=stop", "rollback-budget-used-up"],
 )
@@ -129,6 +128,7 @@ def test_nonfinite_streak_stops_with_exit_4(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     extra: list[str],
+    nan_steps: tuple[int, ...],
     nonfinite_steps: list[int],
     rollbacks: int,
 ) -> None:
@@ -141,7 +141,7 @@ def test_nonfinite_streak_stops_with_exit_4(
         "train.max_nonfinite=2",
         *extra,
     )
-    assert train(cfg) == ExitCode.NONFINITE
+    assert train(cfg, hooks=Faults(nan_steps=nan_steps)) == ExitCode.NONFINITE
     status = run.read_status()
     assert status["exit_code"] == ExitCode.NONFINITE and status["state"] == "failed"
     assert [e["step"] for e in events(run, "nonfinite")] == nonfinite_steps
@@ -162,11 +162,10 @@ def test_a_peer_that_hangs_at_startup_fails_the_job_fast(
         prepared_data,
         run.path,
         "train.steps=2",
-        "comm.debug_stall_rank=1",
         "comm.startup_timeout_s=3",
     )
     started = time.monotonic()
-    result = torchrun(2, "--config", str(TINY), *args, timeout=120)
+    result = torchrun(2, "--config", str(TINY), *args, timeout=120, env=faults_env(stall_rank=1))
     elapsed = time.monotonic() - started
     assert result.returncode != 0, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

@@ -19,8 +19,9 @@ TINY = model_config("tiny")  # d=64, mlp 176, prelude/core/coda 1/2/1, vocab 409
 
 def test_hand_computed_tiny_example() -> None:
     d, mlp, vocab, t = 64, 176, 4096, 16
-    block = 3 * d * d + d * d + 2 * d * mlp + mlp * d + 4 * d  # qkv, out, gate/up, down, 4 norms
-    adapter, final_norms = 2 * d * d, 2 * d
+    # qkv, out, gate/up, down, 4 norms, qk bias
+    block = 3 * d * d + d * d + 2 * d * mlp + mlp * d + 4 * d + 2 * d
+    adapter, final_norms = 2 * d * d, 2 * d  # one ln_f, applied twice
     per_step = 2 * block + adapter  # two core blocks
     attn = 4 * d * t  # QKᵀ + AV forward per layer per token
     # r=3, k=2: one forward-only core iteration, two differentiated ones.
@@ -31,7 +32,7 @@ def test_hand_computed_tiny_example() -> None:
         + 3 * attn * (1 + 1 + 2 * 2)  # prelude, coda, 2 differentiated iterations × 2 blocks
         + attn * 2 * 1  # one forward-only iteration × 2 blocks
     )
-    assert expected == 3_787_520
+    assert expected == 3_792_640
     result = flops_per_token(TINY, num_steps=3, backprop_depth=2, seq_len=t)
     assert result.useful == expected
     assert result.recompute == 0
@@ -96,9 +97,9 @@ def test_matches_torch_flop_counter(
     cfg = replace(TINY, activation_checkpointing=checkpointing)
     ours = flops_per_token(cfg, num_steps, backprop_depth, seq_len=16)
     counted = _count_with_torch(cfg, num_steps, backprop_depth, seq_len=16)
-    # torch counts matmuls only; we also count RMSNorm gains as parameters (PaLM's 6·N), which
-    # are 0.3 % of this model's parameters.
-    assert ours.hardware == pytest.approx(counted, rel=0.004)
+    # torch counts matmuls only; we also count RMSNorm gains and qk biases as parameters (PaLM's
+    # 6·N), which are 0.45 % of this tiny model's executed parameters.
+    assert ours.hardware == pytest.approx(counted, rel=0.006)
     assert ours.hardware > counted
 
 

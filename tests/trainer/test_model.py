@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from trainer.errors import ConfigError
-from trainer.model import PRESETS, ModelConfig, RecurrentLM, model_config, sample_recurrence
+from trainer.model import (
+    PRESETS,
+    ModelConfig,
+    RecurrentLM,
+    apply_rope,
+    model_config,
+    rope_cache,
+    sample_recurrence,
+)
 
 TINY = model_config("tiny")
 
@@ -165,11 +173,15 @@ def test_huginn_parameter_count_on_meta_device() -> None:
         model = RecurrentLM(PRESETS["huginn-3.5b"])
     assert all(p.is_meta for p in model.parameters())
     counts = model.param_counts()
-    assert 3.5e9 <= counts.total <= 3.6e9
+    # The published model's modules: 8 blocks × (4d² + 3dh + 4d + 2d) + adapter 2d² + tied
+    # embedding V·d + one ln_f d, with d=5280, h=17920, V=65536.
+    assert counts.total == 3_564_976_800
     assert counts.embedding == 65536 * 5280
     assert counts.adapter == 2 * 5280 * 5280
+    assert counts.norm == 5280
     assert counts.core == 2 * counts.prelude == 2 * counts.coda
     assert counts.total == sum(p.numel() for p in model.parameters())
+    assert model.prelude[0].attn.qk_bias.shape == (2, 1, 55, 96)
 
 
 def test_meta_model_materialises_with_init_weights() -> None:
@@ -182,6 +194,45 @@ def test_meta_model_materialises_with_init_weights() -> None:
     assert torch.isfinite(loss)
     reference = RecurrentLM(TINY)
     torch.testing.assert_close(model.rope_cos, reference.rope_cos)
+
+
+def test_rope_rotates_interleaved_pairs_in_fp32() -> None:
+    cos, sin = rope_cache(head_dim=4, seq_len=3, base=100.0)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (3, 2)
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).expand(1, 3, 4).contiguous()
+    out = apply_rope(x, cos, sin)
+    for t in range(3):
+        for i, angle in enumerate((t * 1.0, t / 10.0)):  # base^(−2i/4) = 1, 0.1
+            a, b = x[0, t, 2 * i].item(), x[0, t, 2 * i + 1].item()
+            expected = (
+                a * np.cos(angle) - b * np.sin(angle),
+                b * np.cos(angle) + a * np.sin(angle),
+            )
+            assert out[0, t, 2 * i : 2 * i + 2].tolist() == pytest.approx(expected, rel=1e-6)
+    # bf16 input: rotated in fp32, rounded once at the end
+    y = torch.randn(2, 3, 4).to(torch.bfloat16)
+    assert torch.equal(apply_rope(y, cos, sin), apply_rope(y.float(), cos, sin).to(torch.bfloat16))
+
+
+def test_qk_bias_starts_at_zero_and_shifts_attention(model: RecurrentLM) -> None:
+    biases = [block.attn.qk_bias for block in (*model.prelude, *model.core, *model.coda)]
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in biases)
+    ids = batch()
+    before = model(ids, num_steps=2, state_seeds=[1, 2]).logits
+    with torch.no_grad():
+        model.core[0].attn.qk_bias[1].normal_()  # k bias of the first core block
+    after = model(ids, num_steps=2, state_seeds=[1, 2])
+    assert not torch.allclose(before, after.logits)
+    model(ids, labels=ids, num_steps=2).loss.backward()
+    assert model.core[0].attn.qk_bias.grad.abs().sum() > 0
+
+
+def test_one_final_norm_is_applied_twice(model: RecurrentLM) -> None:
+    calls = []
+    model.ln_f.register_forward_hook(lambda module, inputs, output: calls.append(1))
+    model(batch(), num_steps=2)
+    assert len(calls) == 2
+    assert not any("core_norm" in n or "final_norm" in n for n, _ in model.named_parameters())
 
 
 @pytest.mark.parametrize(

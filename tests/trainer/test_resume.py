@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.trainer.faults import Faults, faults_env
 from tests.trainer.training_runs import (
     TINY,
     overrides,
@@ -32,12 +33,13 @@ GLOBAL_BATCH = 8
 # A constant learning rate after warmup: the 2-rank run stopped by train.steps=2 follows the same
 # schedule as the reference configured for STEPS from the start.
 SAME_SCHEDULE = ["optim.warmup_steps=2", "optim.min_lr_ratio=1.0", "checkpoint.interval_steps=100"]
-SAME_SCHEDULE += ["train.ledger=true"]
+# Every process of these runs appends the sample positions it trains on to a ledger.
+LEDGER = faults_env(ledger=True)
 
 
 def train(data: Path, run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
     args = overrides(data, run_dir, f"train.steps={steps}", *SAME_SCHEDULE, *extra)
-    result = run_cli("train", "--config", str(TINY), *args, timeout=300)
+    result = run_cli("train", "--config", str(TINY), *args, timeout=300, env=LEDGER)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -48,7 +50,7 @@ def train_here(data: Path, run_dir: Path, steps: int) -> None:
     torch.set_num_threads(1)
     try:
         cfg = tiny_config(data, run_dir, f"train.steps={steps}", *SAME_SCHEDULE)
-        assert train_in_process(cfg) == ExitCode.OK
+        assert train_in_process(cfg, hooks=Faults(ledger=True)) == ExitCode.OK
     finally:
         torch.set_num_threads(threads)
 
@@ -92,7 +94,7 @@ def test_sigterm_saves_and_resume_continues_bit_for_bit(
 ) -> None:
     run_dir = tmp_path / "run"
     args = overrides(prepared_data, run_dir, f"train.steps={STEPS}", *SAME_SCHEDULE)
-    proc = start_training(*args)
+    proc = start_training(*args, env=LEDGER)
     try:
         deadline = time.monotonic() + 240
         while not losses(run_dir) and time.monotonic() < deadline:  # the first step is done
@@ -122,7 +124,7 @@ def test_elastic_resume_from_two_ranks_to_one(
 ) -> None:
     run_dir = tmp_path / "run"
     args = overrides(prepared_data, run_dir, "train.steps=2", *SAME_SCHEDULE)
-    first = torchrun(2, "--config", str(TINY), *args, timeout=300)
+    first = torchrun(2, "--config", str(TINY), *args, timeout=300, env=LEDGER)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "bus bandwidth" in first.stderr  # rank 0's startup all-reduce sweep
     assert sorted(p.name for p in run_dir.glob("ledger-rank*")) == [

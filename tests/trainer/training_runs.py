@@ -33,45 +33,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cli_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a trainer subprocess; `extra` adds variables (tests.trainer.faults)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(extra or {}))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`python -m trainer ARGS` as a subprocess, as an operator would run it."""
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
         cwd=REPO,
-        env=cli_env(),
+        env=cli_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
 
 
-def start_training(*args: str) -> subprocess.Popen[str]:
+def start_training(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """`python -m trainer train --config tiny.yaml ARGS` in the background with stderr piped, for
     tests that signal or watch a run while it trains."""
     return subprocess.Popen(
         [sys.executable, "-m", "trainer", "train", "--config", str(TINY), *args],
         cwd=REPO,
-        env=cli_env(),
+        env=cli_env(env),
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
 def torchrun(
-    nproc: int, *train_args: str, timeout: float = 180
+    nproc: int, *train_args: str, timeout: float = 180, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`torchrun -m trainer train ARGS` with `nproc` gloo workers on this host."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={nproc}", "-m", "trainer", "train", *train_args]
     return subprocess.run(
-        command, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=timeout
+        command, cwd=REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout
     )
 
 

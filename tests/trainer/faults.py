@@ -1,0 +1,62 @@
+"""Fault injection for the failure and resume tests, through the trainer's test hooks.
+
+In-process: `train(cfg, hooks=Faults(nan_steps=(4, 5)))`. In a trainer subprocess: the
+environment of `faults_env(...)`, which names `from_env` as the hooks factory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.distributed import DistEnv
+from trainer.hooks import HOOKS_ENV, TrainHooks
+from trainer.rundir import append_jsonl
+
+FAULTS_ENV = "RLM_TEST_FAULTS"
+
+
+@dataclass
+class Faults(TrainHooks):
+    # Poison the batches an uninterrupted run trains at these steps (1-based). The poison follows
+    # the data, like a bad shard would: a rollback that moves the cursor past it does not meet it.
+    nan_steps: tuple[int, ...] = ()
+    # Each rank appends the global sample positions of every step to run_dir/ledger-rank<r>.jsonl.
+    ledger: bool = False
+    # This rank hangs before the startup check, like a stuck worker; SIGTERM still ends it.
+    stall_rank: int = -1
+
+    def before_startup_check(self, env: DistEnv) -> None:
+        if env.world_size > 1 and env.rank == self.stall_rank:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            threading.Event().wait()
+
+    def on_batch(
+        self, run_dir: Path, rank: int, step: int, positions: list[int], indices: list[int]
+    ) -> None:
+        if self.ledger:
+            record = {"step": step, "positions": positions, "indices": indices}
+            append_jsonl(run_dir / f"ledger-rank{rank}.jsonl", record)
+
+    def loss(self, loss: torch.Tensor, cursor: int, global_batch: int) -> torch.Tensor:
+        return loss * math.nan if cursor // global_batch + 1 in self.nan_steps else loss
+
+
+def faults_env(**faults: object) -> dict[str, str]:
+    """Environment variables that make a trainer subprocess inject `Faults(**faults)`."""
+    return {
+        HOOKS_ENV: f"{__name__}:from_env",
+        FAULTS_ENV: json.dumps(asdict(Faults(**faults))),  # type: ignore[arg-type]
+    }
+
+
+def from_env() -> Faults:
+    values = json.loads(os.environ[FAULTS_ENV])
+    return Faults(**{**values, "nan_steps": tuple(values["nan_steps"])})

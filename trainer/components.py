@@ -1,0 +1,194 @@
+"""The stateful components of a training run: what a checkpoint holds, each entry with one owner.
+
+Every component has `state_dict()` / `load_state_dict()` (torchtitan's `Stateful`). A checkpoint
+is one dict; a component's `state_dict()` returns the top-level entries it owns, and components
+that share an entry (`progress`) own disjoint fields of it. The checkpoint manager
+(`trainer.checkpoint.CheckpointManager`) merges them on save and hands the whole dict back to
+each on load, so the on-disk format (docs/checkpoints.md) is written in one place per field:
+
+    TrainState   model, optimizer, scheduler, scaler      rolled back after a non-finite streak
+    Progress     progress.step, progress.tokens           rolled back
+    DataCursor   progress.sample_index, epoch, data_fingerprint, consumed_shards
+    StepHealth   progress.nonfinite_steps, skipped_steps
+    RngStates    rng (one entry per rank; gathering it is a collective)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from trainer import distributed
+from trainer.data import GlobalSampler, TokenDataset, consumed_shards, rank_positions
+from trainer.distributed import DistEnv
+from trainer.errors import ConfigError
+
+log = logging.getLogger("trainer")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Progress:
+    """Optimizer steps done and tokens trained on."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"progress": {"step": self.step, "tokens": self.tokens}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["progress"]["step"]
+        self.tokens = state["progress"]["tokens"]
+
+
+@dataclass
+class StepHealth:
+    """Counters of dropped and skipped steps. Only the totals are saved: a streak and the
+    rollback budget belong to this process."""
+
+    nonfinite_steps: int = 0  # steps dropped for a non-finite loss or gradient norm
+    skipped_steps: int = 0  # fp16 steps the loss scaler skipped
+    nonfinite_in_a_row: int = 0
+    rollbacks: int = 0  # by this process; train.max_rollbacks is the budget
+
+    def record(self, finite: bool) -> None:
+        if finite:
+            self.nonfinite_in_a_row = 0
+        else:
+            self.nonfinite_steps += 1
+            self.nonfinite_in_a_row += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        fields = {"nonfinite_steps": self.nonfinite_steps, "skipped_steps": self.skipped_steps}
+        return {"progress": fields}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.nonfinite_steps = state["progress"].get("nonfinite_steps", 0)
+        self.skipped_steps = state["progress"].get("skipped_steps", 0)
+
+
+class DataCursor:
+    """The global sample position of the next step over a fixed, seeded order of the data.
+
+    It only moves forward: a rollback does not restore it, so the data that led into a non-finite
+    streak is not replayed.
+    """
+
+    def __init__(self, dataset: TokenDataset, seed: int, env: DistEnv) -> None:
+        self.dataset = dataset
+        self.sampler = GlobalSampler(len(dataset), seed)
+        self.env = env
+        self.position = 0
+
+    def batch(self, global_batch: int) -> tuple[list[int], list[int]]:
+        """(global positions, dataset indices) of this rank's share of the next step."""
+        positions = rank_positions(self.position, global_batch, self.env.rank, self.env.world_size)
+        return positions, self.sampler.indices(positions)
+
+    def advance(self, global_batch: int) -> None:
+        self.position += global_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        shards = consumed_shards(self.dataset, self.sampler, self.position)
+        fields = {
+            "sample_index": self.position,
+            "epoch": self.sampler.epoch(self.position),
+            "data_fingerprint": self.dataset.fingerprint,
+            "consumed_shards": shards if self.env.is_main else [],
+        }
+        return {"progress": fields}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["progress"]
+        self.position = saved["sample_index"]
+        # No fingerprint: a checkpoint imported from published weights, which saw no data here.
+        if saved.get("data_fingerprint") not in (None, self.dataset.fingerprint):
+            log.warning(
+                "resuming on different data (fingerprint %s, checkpoint has %s): the data order "
+                "continues at sample %d of the new dataset",
+                self.dataset.fingerprint,
+                saved.get("data_fingerprint"),
+                self.position,
+            )
+
+
+class TrainState:
+    """Model, optimizer, LR scheduler and (fp16) grad scaler: the tensors of a run."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler | None,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler, self.scaler = (
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+            if state["optimizer"]:  # empty in an imported checkpoint: start the optimizer fresh
+                self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise ConfigError(
+                f"the checkpoint does not fit this model/optimizer config ({first}); "
+                "use the config it was trained with, or checkpoint.resume=never"
+            ) from None
+        if state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+class RngStates:
+    """Every rank's Python, numpy, torch (and CUDA) RNG states; rank r resumes with entry r when
+    the world size is unchanged."""
+
+    def __init__(self, env: DistEnv) -> None:
+        self.env = env
+
+    def state_dict(self) -> dict[str, Any]:
+        device = self.env.device
+        mine = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        }
+        return {"rng": distributed.gather_objects(mine, self.env)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        states = state.get("rng") or []
+        if len(states) != self.env.world_size:
+            return
+        mine = states[self.env.rank]
+        random.setstate(mine["python"])
+        np.random.set_state(mine["numpy"])
+        torch.set_rng_state(mine["torch"])
+        if self.env.device.type == "cuda" and mine.get("cuda") is not None:
+            torch.cuda.set_rng_state(mine["cuda"], self.env.device)
