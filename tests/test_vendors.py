@@ -36,7 +36,7 @@ REQUIRED = (
 def test_each_vendor_describes_everything(name: str) -> None:
     module = vendors.VENDORS[name]
     assert [attr for attr in REQUIRED if not hasattr(module, attr)] == []
-    assert module.NAME == name
+    assert name == module.NAME
     assert set(module.TOOLS) == set(module.PARSERS)  # one parser per tool output
     assert module.PEAK_BF16_FLOPS and all(v > 1e12 for v in module.PEAK_BF16_FLOPS.values())
 
