@@ -39,9 +39,23 @@ def prepare(
     min_freq: Annotated[int, typer.Option(help="Merge only pairs seen this often.")] = 2,
     shard_bytes: Annotated[int, typer.Option(help="Uncompressed bytes per shard.")] = 64 << 20,
     zstd: Annotated[bool, typer.Option(help="Compress shards with zstd.")] = False,
+    check: Annotated[
+        bool,
+        typer.Option(help="Only verify --out: every shard's size and sha256, the tokenizer's."),
+    ] = False,
 ) -> None:
     """Turn raw text into tokenized, packed shards (see docs/data.md)."""
+    from trainer.data import check_dataset
     from trainer.data import prepare as prepare_data
+
+    if check:
+        report = check_dataset(out)
+        shards = ", ".join(f"{split} {count}" for split, count in report["splits"].items())
+        typer.echo(
+            f"{out}: every shard matches its size and sha256 ({shards} shard(s), "
+            f"{report['bytes'] / 2**20:.1f} MiB read); tokenizer ok"
+        )
+        return
 
     metadata = prepare_data(
         out,

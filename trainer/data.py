@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -393,6 +393,8 @@ def _token_stats(tok: Any, counts: np.ndarray, characters: int) -> dict[str, Any
 class DataConfig:
     path: str = ".demo/data"  # a directory written by `python -m trainer prepare`
     split: str = "train"
+    # size: every shard's size at open (always); full: also its sha256 (reads every byte once)
+    verify: Literal["size", "full"] = "size"
 
 
 @dataclass(frozen=True)
@@ -410,7 +412,14 @@ class TokenDataset(torch.utils.data.Dataset):
     cheaply into DataLoader workers.
     """
 
-    def __init__(self, path: str | Path, split: str = "train", *, allow_empty: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        split: str = "train",
+        *,
+        allow_empty: bool = False,
+        verify: str = "size",
+    ):
         self.path = Path(path)
         self.split = split
         metadata = read_json(self.path / METADATA_NAME)
@@ -464,9 +473,32 @@ class TokenDataset(torch.utils.data.Dataset):
             if actual != size:
                 raise DataError(
                     f"shard {shard_path} has {actual} bytes, metadata says {size} "
-                    "(truncated or replaced); copy the whole dataset or prepare it again"
+                    f"(truncated or replaced); {self.fix_hint}"
                 )
+        if verify == "full":
+            self.verify_checksums()
         self._arrays: dict[int, np.ndarray] = {}
+
+    @property
+    def fix_hint(self) -> str:
+        return "re-prepare the dataset (python -m trainer prepare --out DIR) or restore it and run prepare --check"
+
+    def verify_checksums(self) -> int:
+        """sha256 of every shard of the split against metadata.json; the bytes read."""
+        total = 0
+        for entry in self._entries:
+            shard_path = self.path / entry["name"]
+            try:
+                digest = sha256_file(shard_path)
+                total += shard_path.stat().st_size
+            except OSError as error:
+                raise DataError(f"shard {shard_path}: {error.strerror}; {self.fix_hint}") from None
+            if digest != entry.get("sha256"):
+                raise DataError(
+                    f"shard {shard_path} does not match its sha256 in {METADATA_NAME} "
+                    f"(replaced or corrupted); {self.fix_hint}"
+                )
+        return total
 
     def __len__(self) -> int:
         return self._length
@@ -476,6 +508,14 @@ class TokenDataset(torch.utils.data.Dataset):
             raise IndexError(f"sample {index} out of range for {self._length} samples")
         number = bisect.bisect_right(self._starts, index) - 1
         row = self._array(number)[index - self.shards[number].start]
+        # Cheap (one pass over seq_len ids) and what turns a corrupt shard into a data error
+        # instead of an embedding IndexError.
+        if row.size and int(row.max()) >= self.vocab_size:
+            shard_path = self.path / self.shards[number].name
+            raise DataError(
+                f"shard {shard_path} holds token id {int(row.max())} >= vocab size "
+                f"{self.vocab_size} at sample {index} (corrupted or replaced); {self.fix_hint}"
+            )
         return torch.from_numpy(row.astype(np.int64))
 
     def shard_of(self, index: int) -> str:
@@ -517,6 +557,28 @@ class TokenDataset(torch.utils.data.Dataset):
             array = np.memmap(shard_path, dtype=self._dtype, mode="r", shape=shape)
         self._arrays[number] = array
         return array
+
+
+def check_dataset(path: str | Path) -> dict[str, Any]:
+    """`prepare --check`: every split's shards against their sizes and sha256, and the
+    tokenizer against its digest; DataError on the first mismatch. Reads only."""
+    path = Path(path)
+    metadata = read_json(path / METADATA_NAME)
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("splits"), dict):
+        TokenDataset(path)  # raises the error that names what is missing
+    splits, checked = {}, 0
+    for split in metadata["splits"]:
+        dataset = TokenDataset(path, split, allow_empty=True)
+        checked += dataset.verify_checksums()
+        splits[split] = len(dataset.shards)
+    tokenizer = path / TOKENIZER_NAME
+    expected = metadata.get("tokenizer_sha256")
+    if expected and (not tokenizer.is_file() or sha256_file(tokenizer) != expected):
+        raise DataError(
+            f"{tokenizer} is missing or does not match its sha256 in {METADATA_NAME}; "
+            f"prepare the dataset again (python -m trainer prepare --out {path} ...)"
+        )
+    return {"splits": splits, "bytes": checked}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def open_data(cfg: Config) -> tuple[TokenDataset, TokenDataset | None]:
             f"data.path {path} does not exist; prepare it with "
             f"`python -m trainer prepare --out {path}` or set data.path"
         )
-    train_ds = TokenDataset(path, cfg.data.split)
+    train_ds = TokenDataset(path, cfg.data.split, verify=cfg.data.verify)
     if train_ds.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"data in {path} has vocab size {train_ds.vocab_size} but model.vocab_size is "
@@ -111,7 +111,7 @@ def open_data(cfg: Config) -> tuple[TokenDataset, TokenDataset | None]:
             f"data in {path} has sequences of {train_ds.seq_len} tokens but model.max_seq_len "
             f"is {cfg.model.max_seq_len}; raise model.max_seq_len or prepare with --seq-len"
         )
-    val_ds = TokenDataset(path, cfg.eval.split) if cfg.eval.every else None
+    val_ds = TokenDataset(path, cfg.eval.split, verify=cfg.data.verify) if cfg.eval.every else None
     return train_ds, val_ds
 
 
