@@ -314,12 +314,19 @@ def processes(
 
 
 def exit_code(run: RunDir, hosts: list[str], since: float) -> int | None:
-    """Why the launch of `since` ended: the trainer's own non-zero code (status.json) first,
+    """Why the launch of `since` ended: the trainer's own non-zero code (its exit event, then
+    status.json) first,
     then the first failing torchrun code of `hosts` (hosts/<host>/exit.json), else 0.
 
     torchrun turns every worker failure into 1, and a worker stopped by its launcher reports a
     clean 0, so neither alone tells a crash from a config error or a requested stop.
     """
+    # The trainer's own `exit` event first: it is written even when a failed start leaves
+    # status.json as an earlier run left it.
+    exits = [e for e in run.events() if e.kind == "exit" and e.time >= since]
+    own = exits[-1].fields.get("exit_code") if exits else None
+    if isinstance(own, int) and own != 0:
+        return own
     status = run.read_status()
     fresh = float(status.get("updated", 0)) >= since and "exit_code" in status
     if fresh and int(status["exit_code"]) != 0:

@@ -19,6 +19,7 @@ from rlmctl.launch import GateRefused, Say, Started
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet
 from trainer.rundir import (
+    MANIFEST_NAME,
     CheckpointInfo,
     RunDir,
     RunState,
@@ -65,8 +66,15 @@ def resume(
     if not hosts:
         raise GateRefused(f"no hosts left for run {name} after excluding {', '.join(exclude)}")
     checkpoint = resume_checkpoint(run, say)
+    complete_once = [i for i in run.checkpoints() if (i.path / MANIFEST_NAME).exists()]
+    if checkpoint is None and complete_once:
+        raise RlmctlError(
+            f"none of the {len(complete_once)} checkpoint(s) of run {name} verifies (see "
+            f"`rlmctl checkpoints {name} --verify`); restore them, or move them aside to start "
+            "again from step 0"
+        )
     if checkpoint is None:
-        say("no usable checkpoint: the run starts again from step 0")
+        say("no checkpoint yet: the run starts again from step 0")
         overrides = ["checkpoint.resume=never"]
     else:
         say(f"resuming from {checkpoint.path.name} (step {checkpoint.step}, verified)")

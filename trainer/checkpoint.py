@@ -34,9 +34,10 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.errors import ConfigError, UserError
+from trainer.errors import ConfigError, DataError, UserError
 from trainer.rundir import (
     CHECKPOINT_DIR_RE,
+    MANIFEST_NAME,
     CheckpointInfo,
     ExitCode,
     RunDir,
@@ -492,6 +493,16 @@ class CheckpointStore:
                 return self.read(info.path)
             except Exception as exc:  # a corrupt file must not stop the resume
                 self._warn(f"checkpoint: skipping {info.path}: unreadable ({_first_line(exc)})")
+        # Checkpoints that were complete once (a manifest) but none usable now: starting again
+        # from step 0 would silently throw their progress away. The operator decides.
+        damaged = [i for i in self.run_dir.checkpoints() if (i.path / MANIFEST_NAME).exists()]
+        if damaged:
+            raise DataError(
+                f"none of the {len(damaged)} checkpoint(s) in {self.run_dir.checkpoints_dir} is "
+                f"usable (newest {damaged[-1].path.name}: {damaged[-1].reason}); restore them, "
+                "resume from one with checkpoint.resume=PATH, or start from step 0 with "
+                "checkpoint.resume=never"
+            )
         return None
 
     def _resume_path(self, resume: str) -> Path:
@@ -614,10 +625,32 @@ class CheckpointManager:
         state = self.store.load()
         if state is None:
             return False
-        for component, _ in self._components:
-            component.load_state_dict(state)
+        try:
+            for component, _ in self._components:
+                component.load_state_dict(state)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise ConfigError(self._mismatch(state, exc)) from None
         self.saved_step = state["progress"]["step"]
         return True
+
+    def _mismatch(self, state: dict[str, Any], exc: BaseException) -> str:
+        """One line: which tensor does not fit, and which model keys differ from the checkpoint."""
+        detail = next(
+            (line.strip() for line in str(exc).splitlines() if "size mismatch" in line),
+            _first_line(exc),
+        )
+        saved = (state.get("config") or {}).get("model") or {}
+        wanted = (self.constants.get("config") or {}).get("model") or {}
+        changed = [
+            f"model.{k}={wanted.get(k)!r} (saved: {saved[k]!r})"
+            for k in saved
+            if saved[k] != wanted.get(k)
+        ]
+        keys = ", ".join(changed) if changed else "the model config"
+        return (
+            f"checkpoint {self.loaded_path} does not fit this model: {detail[:160]}; {keys}; "
+            "resume with the run's own config.yaml or start a new run_dir"
+        )
 
     def roll_back(self, before_step: int) -> tuple[Path, dict[str, Any]] | None:
         """Restore the rolled-back components from the newest verified checkpoint older than

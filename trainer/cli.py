@@ -154,11 +154,14 @@ def generate(
     prompt: Annotated[str, typer.Option(help="Text to continue.")],
     depth: Annotated[int, typer.Option(help="Recurrence depth r.")] = 32,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="tokenizer.json (default: the one saved with the model).")
+    ] = None,
 ) -> None:
     """Continue a prompt at a chosen recurrence depth."""
     from trainer.export import generate_text
 
-    typer.echo(generate_text(checkpoint, prompt, depth, max_new_tokens))
+    typer.echo(generate_text(checkpoint, prompt, depth, max_new_tokens, tokenizer_path=tokenizer))
 
 
 def main() -> None:

@@ -122,11 +122,21 @@ def valid_keys() -> list[str]:
 
 def _unknown_key(key: str) -> ConfigError:
     candidates = valid_keys()
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    if not close:  # a wrong section name: compare the leaf against every section's fields
-        leaf = key.rsplit(".", 1)[-1]
+    section, _, leaf = key.rpartition(".")
+    sections = sorted({k.rpartition(".")[0] for k in candidates if "." in k})
+    close: list[str] = []
+    if section and section not in sections:
+        # A misspelt section (optimiser.weight_decay): the nearest section, then its field.
+        near = difflib.get_close_matches(section, sections, n=1, cutoff=0.5)
+        section = near[0] if near else section
+    if section in sections:
+        fields = [k.rpartition(".")[2] for k in candidates if k.rpartition(".")[0] == section]
+        close = [f"{section}.{f}" for f in difflib.get_close_matches(leaf, fields, n=1)]
+    if not close:
+        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if not close:  # the right field in the wrong section: compare the leaf everywhere
         leaves = {k.rsplit(".", 1)[-1]: k for k in candidates}
-        close = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=1)]
+        close = [leaves[m] for m in difflib.get_close_matches(leaf or key, list(leaves), n=1)]
     hint = f"; did you mean '{close[0]}'?" if close else "; see docs/trainer.md for valid keys"
     return ConfigError(f"unknown config key '{key}'{hint}")
 
@@ -250,6 +260,9 @@ def from_dict(tree: dict[str, Any]) -> Config:
                 kwargs["model"], kwargs["preset"] = _build_model(value)
             else:
                 kwargs[key] = _build(_SECTIONS[key], value, key)
+        elif isinstance(value, dict) and value:
+            # An unknown section: name its first field, so the hint can find the right section.
+            raise _unknown_key(f"{key}.{next(iter(value))}")
         else:
             raise _unknown_key(str(key))
     cfg = Config(**kwargs)
@@ -305,7 +318,7 @@ def validate(cfg: Config) -> None:
         (t.global_batch > 0, f"train.global_batch must be > 0, got {t.global_batch}"),
         (t.micro_batch > 0, f"train.micro_batch must be > 0, got {t.micro_batch}"),
         (
-            t.global_batch % t.micro_batch == 0,
+            t.micro_batch > 0 and t.global_batch % t.micro_batch == 0,
             f"train.global_batch={t.global_batch} must be a multiple of "
             f"train.micro_batch={t.micro_batch}",
         ),
@@ -346,6 +359,11 @@ def validate(cfg: Config) -> None:
 def check_world_size(cfg: Config, world_size: int) -> int:
     """Gradient-accumulation steps for this world size; the global batch never changes with it."""
     per_step = world_size * cfg.train.micro_batch
+    if cfg.train.micro_batch < 1 or world_size < 1:
+        raise ConfigError(
+            f"train.micro_batch must be >= 1 (got {cfg.train.micro_batch}) and the world size "
+            f">= 1 (got {world_size})"
+        )
     if cfg.train.global_batch % per_step:
         raise ConfigError(
             f"train.global_batch={cfg.train.global_batch} is not divisible by world size "

@@ -19,7 +19,7 @@ import torch
 
 import trainer
 from trainer.checkpoint import MODEL_FILE, TRAINER_STATE_FILE, CheckpointConfig, CheckpointStore
-from trainer.errors import UserError
+from trainer.errors import DataError, UserError
 from trainer.hf import is_hf_dir, load_hf, save_hf
 from trainer.model import ModelConfig, RecurrentLM
 from trainer.rundir import MANIFEST_NAME, RunDir, verify_checkpoint
@@ -182,7 +182,14 @@ def generate_text(
         raise UserError(
             f"no tokenizer.json found for {checkpoint_or_export_dir}; pass --tokenizer FILE"
         )
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as error:  # tokenizers raises a bare Exception on a malformed file
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        raise DataError(
+            f"{tokenizer_file} is not a valid tokenizer.json ({first_line or 'empty file'}); copy "
+            "the dataset's tokenizer.json there or pass --tokenizer FILE"
+        ) from None
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise UserError("the prompt encodes to no tokens; give a non-empty --prompt")

@@ -27,10 +27,13 @@ registry is only an index from run names to these directories.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -188,6 +191,14 @@ def check_run_name(name: str) -> str | None:
             "and must start with a letter or digit"
         )
     return None
+
+
+class RunDirBusy(Exception):
+    """Another live trainer holds the run directory; `str()` names it and what to do."""
+
+
+class RunDirUnwritable(Exception):
+    """The run directory cannot be written (read-only, permissions, missing filesystem)."""
 
 
 def stopped_before_end(status: dict[str, Any]) -> bool:
@@ -420,6 +431,54 @@ class RunDir:
             self.discard()
             raise
         return self
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[dict[str, Any]]:
+        """Own the run directory for as long as the block runs: an exclusive flock on
+        trainer.lock, which names the holder (host, PID). The kernel drops the lock when its
+        process dies, so a stale trainer.lock of a dead trainer is simply taken over.
+
+        RunDirBusy when a live trainer holds it; RunDirUnwritable when it cannot be written.
+        Nothing in the directory is changed by a refusal.
+        """
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise RunDirUnwritable(self._unwritable(error)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunDirUnwritable(self._unwritable(error)) from None
+            holder = read_json(self.lock_path) or {}
+            since = holder.get("since")
+            when = time.strftime(" since %H:%M:%S", time.localtime(since)) if since else ""
+            raise RunDirBusy(
+                f"run directory {self.path} is in use by the trainer with PID "
+                f"{holder.get('pid', '?')} on {holder.get('host', '?')}{when}; stop it first "
+                "(rlmctl stop RUN, or kill that PID) or choose another run_dir"
+            ) from None
+        try:
+            previous = read_json(self.lock_path) or {}
+            holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        except OSError as error:
+            os.close(fd)
+            raise RunDirUnwritable(self._unwritable(error)) from None
+        try:
+            yield previous  # the dead holder whose lock was taken over, if any
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _unwritable(self, error: OSError) -> str:
+        why = "is on a read-only filesystem" if error.errno == errno.EROFS else "is not writable"
+        return (
+            f"run directory {self.path} {why} ({error.strerror}); mount it read-write or point "
+            "run_dir at a writable shared directory"
+        )
 
     def discard(self) -> None:
         """Remove a run directory that no trainer has started in (a launch that went no further)."""

@@ -43,14 +43,14 @@ from trainer.components import DataCursor, Progress, RngStates, StepHealth, Trai
 from trainer.config import Config, check_world_size, dump_yaml, to_dict
 from trainer.data import TokenDataset, sample_seed
 from trainer.distributed import CommStats, DistEnv
-from trainer.errors import DataError, UserError
+from trainer.errors import ConfigError, DataError, UserError
 from trainer.evaluate import evaluate
 from trainer.flops import peak_flops
 from trainer.hooks import TrainHooks, hooks_from_env
 from trainer.metrics import Reporter, StepResult
 from trainer.model import RecurrentLM, sample_recurrence
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.rundir import ExitCode, RunDir
+from trainer.rundir import ExitCode, RunDir, RunDirBusy, RunDirUnwritable
 
 log = logging.getLogger("trainer")
 
@@ -161,10 +161,13 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
     reporter = Reporter(cfg, env, run_dir)
     run = None
     state, exit_code = "starting", ExitCode.FAILED
+    owner = contextlib.ExitStack()  # rank 0 holds the run directory while this process lives
+    previous: dict[str, Any] = {}
+    holding = not env.is_main  # a refused start records nothing
     try:
         if env.is_main:
-            run_dir.create()
-            run_dir.config_path.write_text(dump_yaml(cfg), encoding="utf-8")
+            previous = _own_run_dir(run_dir, cfg, owner)
+            holding = True
         reporter.starting()
         hooks.before_startup_check(env)
         # Also a barrier: the run directory exists before any rank writes into it.
@@ -180,10 +183,48 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
         exit_code, state = ExitCode.FAILED, "failed"
         raise
     finally:
-        reporter.exit(state, exit_code, run.progress.step if run else 0)
+        if holding:
+            _record_exit(reporter, run_dir, previous, state, exit_code, run)
         reporter.close()
+        owner.close()
         distributed.shutdown(env)
     return exit_code
+
+
+def _own_run_dir(run_dir: RunDir, cfg: Config, owner: contextlib.ExitStack) -> dict[str, Any]:
+    """Lock the run directory for this trainer (one line naming the holder if another live one
+    has it), make it, write the effective config once; the status an earlier run left."""
+    try:
+        owner.enter_context(run_dir.hold())
+        run_dir.create()
+        if not run_dir.config_path.exists():  # written once: a resume never rewrites it
+            run_dir.config_path.write_text(dump_yaml(cfg), encoding="utf-8")
+    except RunDirBusy as exc:
+        raise ConfigError(str(exc)) from None
+    except (RunDirUnwritable, OSError) as exc:
+        owner.close()
+        message = str(exc) if isinstance(exc, RunDirUnwritable) else run_dir._unwritable(exc)
+        raise ConfigError(message) from None
+    return run_dir.read_status()
+
+
+def _record_exit(
+    reporter: Reporter,
+    run_dir: RunDir,
+    previous: dict[str, Any],
+    state: str,
+    exit_code: ExitCode,
+    run: Run | None,
+) -> None:
+    """The exit event, and status.json unless this process failed before it started training:
+    then the status an earlier run left (done at step 20, say) stays as it was."""
+    started = reporter.checkpoints is not None
+    if started or previous.get("state") not in ("done", "stopped", "failed"):
+        reporter.exit(state, exit_code, run.progress.step if run else 0)
+        return
+    with contextlib.suppress(OSError):
+        run_dir.write_status(**previous)
+        run_dir.append_event("exit", exit_code=int(exit_code), state=state, step=None)
 
 
 @dataclass
@@ -281,6 +322,7 @@ def _loop(
         log.info("stop requested during setup: exiting before the first step, nothing to save")
         return ExitCode.OK, "stopped"
 
+    failures_before = checkpoints.failures
     while run.progress.step < cfg.train.steps:
         result = train_step(run, cfg, env, run_dir, signals)
         reporter.step(result, run.health)
@@ -289,18 +331,33 @@ def _loop(
                 return ExitCode.NONFINITE, "failed"
             continue
         final = result.step == cfg.train.steps
+        failures_before = checkpoints.failures
         if checkpoints.save(result.step, last=final or result.stop_requested):
             reporter.checkpoint_saved(result.step)
         if val_ds is not None and (result.step % cfg.eval.every == 0 or final):
             reporter.validation(result.step, evaluate(run.model, val_ds, cfg, env))
         if result.stop_requested:
+            if not _last_save_ok(checkpoints, failures_before):
+                return ExitCode.FAILED, "failed"
             log.info("stopped at step %d on request; checkpoint saved", result.step)
-            checkpoints.wait()
             return ExitCode.OK, "stopped"
     if checkpoints.save(run.progress.step, last=True):
         reporter.checkpoint_saved(run.progress.step)
-    checkpoints.wait()
+    if not _last_save_ok(checkpoints, failures_before):
+        return ExitCode.FAILED, "failed"
     return ExitCode.OK, "done"
+
+
+def _last_save_ok(checkpoints: CheckpointManager, failures_before: int) -> bool:
+    """A run is only done (or cleanly stopped) when its last checkpoint is on disk; with
+    checkpoint.on_error=continue a failed last save is a restartable failure instead."""
+    checkpoints.wait()
+    if checkpoints.failures > failures_before:
+        log.error(
+            "error: the last checkpoint was not saved; exiting 1 (a restart redoes the steps)"
+        )
+        return False
+    return True
 
 
 def train_step(

@@ -112,6 +112,13 @@ def test_a_300_character_run_name_is_one_line(local_inventory: Path) -> None:
     assert list((local_inventory.parent / "shared").iterdir()) == []
 
 
+def test_launch_with_micro_batch_zero_is_one_line(local_inventory: Path) -> None:
+    args = ["-i", str(local_inventory), "launch", "--config", str(TINY), "--name", "zero"]
+    result = rlmctl(*args, "train.micro_batch=0")
+    assert_one_line_error(result, 2, "train.micro_batch")
+    assert not (local_inventory.parent / "shared" / "runs" / "zero").exists()
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [

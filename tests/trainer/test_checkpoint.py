@@ -25,7 +25,7 @@ from trainer.checkpoint import (
     CheckpointManager,
     CheckpointStore,
 )
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DataError
 from trainer.model import PRESETS, RecurrentLM
 from trainer.rundir import MANIFEST_NAME, RunDir, read_json, verify_checkpoint
 
@@ -282,7 +282,9 @@ def test_flipped_byte_is_not_seen_by_size_verification(tmp_path: Path) -> None:
     data[-3000] ^= 0xFF  # inside the tensor bytes
     target.write_bytes(bytes(data))
     assert manager(tmp_path, verify="size").load()["model"]["w"].abs().sum() > 0
-    assert manager(tmp_path, verify="full").load() is None
+    # Full verification sees it; with no other checkpoint that is a data error, not step 0.
+    with pytest.raises(DataError, match=r"checkpoint\.resume=never"):
+        manager(tmp_path, verify="full").load()
 
 
 def test_invalid_checkpoint_at_the_step_being_saved_is_set_aside(tmp_path: Path) -> None:

@@ -264,3 +264,27 @@ def test_export_refuses_a_non_empty_target_and_a_damaged_checkpoint(
     assert not (tmp_path / "out").exists()
     with pytest.raises(UserError, match="neither a checkpoint"):
         generate_text(tmp_path, "x", depth=1)
+
+
+def test_generate_with_an_empty_tokenizer_is_one_line(
+    checkpoint: tuple[Path, RecurrentLM], tmp_path: Path
+) -> None:
+    ckpt, _ = checkpoint
+    out = export_checkpoint(ckpt, tmp_path / "export")
+    (out / "tokenizer.json").write_bytes(b"")
+    result = run_cli("generate", str(out), "--prompt", "The module", "--max-new-tokens", "2")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert "tokenizer.json" in line and "--tokenizer" in line
+    good = run_cli(
+        "generate",
+        str(out),
+        "--prompt",
+        "The",
+        "--max-new-tokens",
+        "2",
+        "--tokenizer",
+        str(ckpt.parent.parent / "missing.json"),
+    )
+    assert good.returncode != 0 and "Traceback" not in good.stderr

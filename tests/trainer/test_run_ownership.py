@@ -1,0 +1,145 @@
+"""A run directory belongs to one trainer at a time, its effective config is written once, and
+bad input or a failed start never changes what an earlier run left (issue 15's review).
+
+Read-only filesystems are real: the trainer runs in a private mount namespace (`unshare -m`)
+where the directory is bind-mounted read-only; root ignores file modes, a mount it cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.training_runs import REPO, TINY, cli_env, overrides, run_cli, start_training
+from trainer.rundir import RunDir, RunState
+
+
+def one_error_line(result, code: int, *fragments: str) -> str:
+    assert result.returncode == code, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def train(data: Path, run: Path, *extra: str):
+    return run_cli("train", "--config", str(TINY), *overrides(data, run, *extra))
+
+
+def files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_micro_batch_zero_is_one_line(prepared_data: Path, tmp_path: Path) -> None:
+    result = train(prepared_data, tmp_path / "run", "train.micro_batch=0")
+    one_error_line(result, 2, "train.micro_batch")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_misspelt_section_suggests_the_field(prepared_data: Path, tmp_path: Path) -> None:
+    result = train(prepared_data, tmp_path / "run", "optimiser.weight_decay=0.1")
+    one_error_line(result, 2, "did you mean 'optim.weight_decay'")
+
+
+def test_a_second_trainer_on_a_live_run_is_refused(prepared_data: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = start_training(*overrides(prepared_data, run, "train.steps=100000"))
+    try:
+        deadline = time.monotonic() + 120
+        while RunDir(run).state() is not RunState.RUNNING:
+            assert first.poll() is None, first.stderr.read() if first.stderr else ""
+            assert time.monotonic() < deadline, "the first trainer never started"
+            time.sleep(0.2)  # polling the run directory the first trainer writes
+        config = (run / "config.yaml").read_bytes()
+        second = train(prepared_data, run, "train.steps=3")
+        one_error_line(second, 2, f"PID {first.pid}", socket.gethostname(), "in use")
+        assert (run / "config.yaml").read_bytes() == config
+        assert [e.kind for e in RunDir(run).events()].count("start") == 1
+        assert all(e.fields.get("pid") != second.args for e in RunDir(run).events())
+    finally:
+        first.terminate()
+        first.communicate(timeout=120)
+    assert first.returncode == 0
+
+
+def test_a_stale_lock_of_a_dead_trainer_is_taken_over(prepared_data: Path, tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run").create()
+    run.lock_path.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 3}))
+    result = train(prepared_data, run.path, "train.steps=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert run.state() is RunState.DONE
+
+
+def test_a_failed_resume_leaves_a_finished_run_as_it_was(
+    prepared_data: Path, tmp_path: Path
+) -> None:
+    run = RunDir(tmp_path / "run")
+    assert train(prepared_data, run.path, "train.steps=3").returncode == 0
+    before = {name: (run.path / name).read_bytes() for name in ("config.yaml", "status.json")}
+    wrong_step = train(prepared_data, run.path, "train.steps=3", "checkpoint.resume=step-00000099")
+    one_error_line(wrong_step, 2, "checkpoint.resume")
+    other_shape = train(prepared_data, run.path, "train.steps=5", "model.d_model=96")
+    assert other_shape.returncode != 0 and "Traceback" not in other_shape.stderr
+    assert {n: (run.path / n).read_bytes() for n in before} == before
+    assert run.state() is RunState.DONE and run.status().step == 3
+
+
+def test_no_usable_checkpoint_is_not_a_silent_restart(prepared_data: Path, tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    assert train(prepared_data, run.path, "train.steps=3").returncode == 0
+    (newest,) = run.checkpoints()
+    weights = [p for p in sorted(newest.path.rglob("*.pt")) if p.stat().st_size]
+    victim = weights[0]
+    victim.write_bytes(victim.read_bytes()[:-1])  # truncated: no checkpoint verifies
+    metrics = run.metrics_path.read_bytes()
+    result = train(prepared_data, run.path, "train.steps=6")
+    one_error_line(result, 3, "checkpoint.resume=never", newest.path.name)
+    assert run.metrics_path.read_bytes() == metrics  # nothing trained from step 0
+
+
+def in_read_only(directory: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    command = f"mount --bind -o ro {shlex.quote(str(directory))} {shlex.quote(str(directory))}"
+    command += " && exec " + " ".join(shlex.quote(a) for a in argv)
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", command],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.fixture
+def trainer_argv(prepared_data: Path):
+    def argv(run: Path, *extra: str) -> list[str]:
+        args = overrides(prepared_data, run, *extra)
+        return [sys.executable, "-m", "trainer", "train", "--config", str(TINY), *args]
+
+    return argv
+
+
+def test_a_read_only_run_dir_is_one_line_not_restartable(tmp_path: Path, trainer_argv) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    result = in_read_only(run, trainer_argv(run, "train.steps=2"))
+    one_error_line(result, 2, "read-only", str(run))
+    assert list(run.iterdir()) == []
+
+
+def test_a_failed_final_save_is_not_done(tmp_path: Path, trainer_argv) -> None:
+    run = RunDir(tmp_path / "run").create()
+    argv = trainer_argv(run.path, "train.steps=2", "checkpoint.interval_steps=100")
+    result = in_read_only(run.checkpoints_dir, [*argv, "checkpoint.on_error=continue"])
+    assert result.returncode == 1, result.stderr[-2000:]  # restartable: the steps are redone
+    assert run.state() is RunState.FAILED
+    assert run.status().exit_code == 1
