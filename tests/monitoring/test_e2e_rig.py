@@ -30,7 +30,7 @@ import yaml
 from monitoring import exporter, file_sd
 from rlmctl.inventory import load
 from tests.monitoring import conftest
-from tests.monitoring.conftest import FIXTURES
+from tests.monitoring.conftest import FIXTURES, RECORDED_NAME_COLUMNS
 from tests.monitoring.test_config import MONITORING, dashboard_queries, rules
 from tests.rig import Rig
 
@@ -114,6 +114,7 @@ def fake_nvidia_smi(bin_dir: Path, hot_gpu: int | None) -> None:
         cells = rows[hot_gpu].split(", ")
         cells[5] = "95"  # temperature.gpu
         rows[hot_gpu] = ", ".join(cells)
+    rows = [row + RECORDED_NAME_COLUMNS for row in rows]  # the exporter's two later fields
     (bin_dir / "nvidia-smi.csv").write_text("\n".join(rows) + "\n")
     for tool, output in (("nvidia-smi", "nvidia-smi.csv"), ("dmesg", None)):
         source = bin_dir / output if output else FIXTURES / "dmesg-xid.txt"
