@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from trainer.rundir import RunDir, write_manifest  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "monitoring" / "fixtures"
+RECORDED_NAME_COLUMNS = ", NVIDIA H100 80GB HBM3, 550.54.15"
 REFRESH_INTERVAL_S = 1.0  # 10x faster than the default, so the background cost shows quickly
 
 
@@ -39,9 +40,11 @@ def free_port() -> int:
 
 def fake_tools(bin_dir: Path) -> None:
     bin_dir.mkdir()
-    for name, fixture in (("nvidia-smi", "nvidia-smi-8gpu.csv"), ("dmesg", "dmesg-xid.txt")):
+    # The recording predates the query's last two fields (tests/monitoring/conftest.py).
+    nvidia = f"sed -E '/^[0-9]/ s/$/{RECORDED_NAME_COLUMNS}/' '{FIXTURES / 'nvidia-smi-8gpu.csv'}'"
+    for name, command in (("nvidia-smi", nvidia), ("dmesg", f"cat '{FIXTURES / 'dmesg-xid.txt'}'")):
         path = bin_dir / name
-        path.write_text(f"#!/bin/sh\ncat '{FIXTURES / fixture}'\n")
+        path.write_text(f"#!/bin/sh\n{command}\n")
         path.chmod(0o755)
 
 
