@@ -138,13 +138,25 @@ def import_hf(
 def generate(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint or export directory.")],
     prompt: Annotated[str, typer.Option(help="Text to continue.")],
-    depth: Annotated[int, typer.Option(help="Recurrence depth r.")] = 32,
+    depth: Annotated[int, typer.Option(help="Recurrence depth r (the most, with an exit).")] = 32,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+    exit_threshold: Annotated[
+        float | None,
+        typer.Option(help="Stop a token's iterations once the latent state changes by < EPS."),
+    ] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json to use.")] = None,
 ) -> None:
-    """Continue a prompt at a chosen recurrence depth."""
-    from trainer.export import generate_text
+    """Continue a prompt at a chosen recurrence depth (KV-cached; adaptive with an exit)."""
+    from trainer.generate import generate_text
 
-    typer.echo(generate_text(checkpoint, prompt, depth, max_new_tokens))
+    result = generate_text(
+        checkpoint, prompt, depth, max_new_tokens, tokenizer, exit_threshold=exit_threshold
+    )
+    typer.echo(result.text)
+    typer.echo(
+        f"mean depth {result.mean_depth:.2f} of at most {depth} over {len(result.tokens)} tokens",
+        err=True,
+    )
 
 
 def main() -> None:
