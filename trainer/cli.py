@@ -159,6 +159,42 @@ def generate(
     )
 
 
+@app.command()
+def evaluate(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint or export directory.")],
+    depths: Annotated[str, typer.Option(help="Comma-separated recurrence depths.")] = (
+        "1,4,8,16,32,64"
+    ),
+    data: Annotated[
+        Path | None, typer.Option(help="Prepared dataset; default: the run's data.path.")
+    ] = None,
+    split: Annotated[str, typer.Option(help="Split to evaluate.")] = "val",
+    batches: Annotated[int, typer.Option(help="Batches of --batch-size samples.")] = 2,
+    batch_size: Annotated[int, typer.Option(help="Samples per batch.")] = 8,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of perplexity vs depth.")] = None,
+) -> None:
+    """Validation perplexity at several recurrence depths (test-time compute), with a plot."""
+    import json
+
+    from trainer.evaluate import evaluate_checkpoint
+
+    try:
+        wanted = [int(d) for d in depths.split(",")]
+    except ValueError:
+        raise UserError(f"--depths must be comma-separated integers, got {depths!r}") from None
+    report = evaluate_checkpoint(checkpoint, data, wanted, split, batches, batch_size, plot=plot)
+    if json_output:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    for depth, values in report["depths"].items():  # type: ignore[union-attr]
+        typer.echo(
+            f"depth {depth:>3}: loss {values['loss']:.4f}  perplexity {values['perplexity']:.2f}"
+        )
+    if plot is not None:
+        typer.echo(f"plot: {report['plot']}")
+
+
 def main() -> None:
     """Entry point: user errors become one `error: ...` line and their exit code."""
     try:

@@ -66,6 +66,15 @@ def _checkpoint_tokenizer(config: dict[str, Any]) -> Path | None:
     return None
 
 
+def checkpoint_data_path(path: Path) -> Path | None:
+    """The dataset a checkpoint's run trained on (None for exports and imports)."""
+    if not (path / MANIFEST_NAME).exists():
+        return None
+    extra = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
+    data_path = ((extra.get("config") or {}).get("data") or {}).get("path")
+    return Path(data_path) if data_path else None
+
+
 def _fresh_dir(out_dir: Path) -> Path:
     """A hidden sibling to write into before renaming it to `out_dir`."""
     if out_dir.exists() and any(out_dir.iterdir()):

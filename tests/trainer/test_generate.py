@@ -1,13 +1,20 @@
-"""KV-cached decoding and the adaptive-compute exit of `generate`."""
+"""Test-time compute: KV-cached decoding and the adaptive-compute exit of `generate`, and
+`evaluate` at several depths."""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.trainer.training_runs import run_cli
+from trainer.checkpoint import CheckpointConfig, CheckpointStore
 from trainer.generate import decode
 from trainer.model import KVCache, RecurrentLM, model_config
+from trainer.rundir import RunDir
 
 TINY = model_config("tiny")
 
@@ -68,17 +75,37 @@ def test_exit_threshold_sets_the_depth_each_token_uses(model: RecurrentLM) -> No
     assert again == decode(model, prompt, depth=8, max_new_tokens=6, exit_threshold=0.05)
 
 
-def test_generate_cli_reports_the_mean_depth(tmp_path, prepared_data) -> None:
-    from trainer.checkpoint import CheckpointConfig, CheckpointStore
-    from trainer.rundir import RunDir
-
-    model = RecurrentLM(TINY)
+@pytest.fixture
+def checkpoint(tmp_path: Path, prepared_data: Path) -> Path:
+    torch.manual_seed(0)
     run = RunDir(tmp_path / "run").create()
-    config = {"model": vars(TINY) | {}, "data": {"path": str(prepared_data)}}
-    state = {"model": model.state_dict(), "optimizer": {}, "progress": {"step": 1}}
+    config = {"model": vars(TINY), "data": {"path": str(prepared_data)}}
+    state = {"model": RecurrentLM(TINY).state_dict(), "optimizer": {}, "progress": {"step": 1}}
     assert CheckpointStore(run, CheckpointConfig(), 0, 1).save(1, {**state, "config": config})
-    args = ["generate", str(run.checkpoint_path(1)), "--prompt", "The module", "--depth", "4"]
+    return run.checkpoint_path(1)
+
+
+def test_generate_cli_reports_the_mean_depth(checkpoint: Path) -> None:
+    args = ["generate", str(checkpoint), "--prompt", "The module", "--depth", "4"]
     result = run_cli(*args, "--max-new-tokens", "5", "--exit-threshold", "1e9")
     assert result.returncode == 0, result.stderr
     assert "mean depth 1.60 of at most 4 over 5 tokens" in result.stderr  # (4 + 4·1) / 5
     assert run_cli(*args, "--exit-threshold", "-1").stderr.startswith("error: ")
+
+
+def test_evaluate_reports_perplexity_per_depth_as_json_with_a_plot(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    plot = tmp_path / "depth.png"
+    args = ["evaluate", str(checkpoint), "--depths", "1,2,4", "--batches", "1", "--batch-size", "4"]
+    result = run_cli(*args, "--json", "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert list(report["depths"]) == ["1", "2", "4"] and report["split"] == "val"
+    for values in report["depths"].values():
+        assert values["perplexity"] == pytest.approx(math.exp(values["loss"]))
+        assert 1 < values["perplexity"] < 2 * TINY.vocab_size  # an untrained model: near uniform
+    assert report["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = run_cli("evaluate", str(checkpoint), "--depths", "0,4")
+    assert bad.returncode != 0 and bad.stderr.startswith("error: ") and "--depths" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
