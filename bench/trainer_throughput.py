@@ -1,8 +1,19 @@
-"""Training throughput of the `small` recurrent model next to an equal-FLOP plain transformer.
+"""Training throughput: the reference config's share of the GEMM ceiling, and the `small`
+recurrent model next to an equal-FLOP plain transformer.
 
 Runs on this CPU, prints figures, asserts nothing.
 
-    .venv/bin/python bench/trainer_throughput.py [--threads N] [--steps N] [--batch B]
+    .venv/bin/python bench/trainer_throughput.py reference [--compile] [--steps N]
+    .venv/bin/python bench/trainer_throughput.py [small] [--threads N] [--steps N] [--batch B]
+
+`reference` is the config a reference implementation is commonly measured at: d=256, 4 heads,
+SwiGLU 704, prelude/core/coda 1/2/1, vocab 8192, seq 256, batch 8, a fixed 2 no-grad + 2 grad
+core iterations, AdamW, 2 threads. It prints the achieved model FLOP/s (trainer.flops) as a share
+of the GEMM ceiling measured in the same process (torch.mm 2048³), for fp32 and bf16 autocast,
+from the best of N steps (other processes only ever slow a step down), in wall and CPU time.
+Targets (reported, not asserted): ≥ 58 % fp32, ≥ 22 % bf16.
+
+`small`:
 
 For each dtype (fp32, and bf16 through CPU autocast) it times full training steps (forward,
 backward, AdamW step) at fixed depth r = mean_recurrence, so every step does the same work.
@@ -28,15 +39,19 @@ import contextlib
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.config import OptimConfig
 from trainer.flops import flops_per_token, measure_gemm_flops
 from trainer.model import PRESETS, Block, ModelConfig, RecurrentLM, RMSNorm, rope_cache
+from trainer.optim import build_optimizer
 
 
 class PlainLM(nn.Module):
@@ -83,8 +98,9 @@ def matching_plain_depth(cfg: ModelConfig, num_steps: int, seq_len: int) -> int:
 def make_step(
     model: nn.Module, loss_fn: Callable[[], torch.Tensor], dtype: torch.dtype
 ) -> Callable[[], tuple[float, float]]:
-    """A closure running one training step and returning its (wall, CPU) seconds."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    """A closure running one training step and returning its (wall, CPU) seconds; the optimizer
+    is the trainer's (AdamW, fused kernel)."""
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-4), torch.device("cpu"))
 
     def step() -> tuple[float, float]:
         autocast = (
@@ -103,7 +119,60 @@ def make_step(
     return step
 
 
+REFERENCE = ModelConfig(
+    vocab_size=8192, d_model=256, n_heads=4, mlp_hidden=704, n_prelude=1, n_core=2, n_coda=1,
+    max_seq_len=256, mean_recurrence=4, backprop_depth=2,
+)  # fmt: skip
+REFERENCE_TARGETS = {torch.float32: 0.58, torch.bfloat16: 0.22}
+
+
+def reference(steps: int, compile_blocks: bool) -> None:
+    """The reference config at r = 4 (2 no-grad + 2 grad iterations), batch 8 × 256, 2 threads."""
+    torch.set_num_threads(2)
+    cfg = replace(REFERENCE, compile=compile_blocks)
+    batch, seq_len = 8, cfg.max_seq_len
+    tokens = batch * seq_len
+    work = flops_per_token(cfg, cfg.mean_recurrence, cfg.backprop_depth, seq_len).useful * tokens
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
+    inputs, labels, seeds = ids[:, :-1], ids[:, 1:], list(range(batch))
+    print(
+        f"reference config: torch {torch.__version__}, 2 threads, load average "
+        f"{os.getloadavg()[0]:.1f}, compile={compile_blocks}; {work / tokens / 1e6:.1f} "
+        f"MFLOP/token, best of {steps} steps after warm-up"
+    )
+    for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16 autocast")):
+        torch.manual_seed(0)
+        model = RecurrentLM(cfg)
+        step = make_step(model, lambda m=model: m(inputs, labels, state_seeds=seeds).loss, dtype)
+        started = time.perf_counter()
+        step()  # warm-up (and compilation)
+        warm_up = time.perf_counter() - started
+        step()
+        runs = [step() for _ in range(steps)]
+        wall, cpu = min(w for w, _ in runs), min(c for _, c in runs)
+        ceiling_wall = measure_gemm_flops(dtype, size=2048, seconds=2.0)
+        ceiling_cpu = measure_gemm_flops(dtype, size=2048, seconds=2.0, clock=time.process_time)
+        share = work / wall / ceiling_wall
+        print(
+            f"  {label:<13} step {wall:.3f} s ({tokens / wall:,.0f} tok/s, first step "
+            f"{warm_up:.1f} s): {work / wall / 1e9:.1f} GFLOP/s = {share:.1%} of the "
+            f"{ceiling_wall / 1e9:.0f} GFLOP/s mm ceiling; CPU time {cpu:.3f} s = "
+            f"{work / cpu / ceiling_cpu:.1%} of {ceiling_cpu / 1e9:.0f} GFLOP/CPU-s; target "
+            f"≥ {REFERENCE_TARGETS[dtype]:.0%}: {'met' if share >= REFERENCE_TARGETS[dtype] else 'NOT met'}"
+        )
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["reference"]:
+        parser = argparse.ArgumentParser(description="the reference config")
+        parser.add_argument("--steps", type=int, default=6, help="timed steps per dtype")
+        parser.add_argument("--compile", action="store_true", help="model.compile=true")
+        args = parser.parse_args(sys.argv[2:])
+        reference(args.steps, args.compile)
+        return
+    if sys.argv[1:2] == ["small"]:
+        del sys.argv[1]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cores = len(os.sched_getaffinity(0))
     # On a host already busier than its cores, OpenMP threads keep waiting at barriers for a

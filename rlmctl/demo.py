@@ -132,7 +132,26 @@ def _report(run_dir: RunDir, name: str, state: str, console: Any) -> None:
         size = f"{info.size_bytes / 2**20:.1f} MiB"
         checkpoints.add_row(str(info.step), valid, size, info.path.name)
     console.print(checkpoints)
+    if state == "done":
+        _depth_plot(run_dir, say)
     say(f"run directory: {run_dir.path} (checkpoints under checkpoints/)")
     say(f"next: rlmctl status {name} | rlmctl logs {name} | rlmctl checkpoints {name} --verify")
     if state != "done":
         say(f"the run did not finish; see rlmctl logs {name}")
+
+
+def _depth_plot(run_dir: RunDir, say: Any) -> None:
+    """Test-time compute: the final checkpoint's validation perplexity against depth, as a PNG
+    (the trainer's `evaluate` in a subprocess: rlmctl never imports torch)."""
+    latest = run_dir.latest_valid_checkpoint()
+    if latest is None:
+        return
+    plot = run_dir.path / "perplexity-vs-depth.png"
+    command = [sys.executable, "-m", "trainer", "evaluate", str(latest.path)]
+    command += ["--depths", "1,2,4,8,16", "--plot", str(plot)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        say(f"evaluate at several depths failed: {result.stderr.strip()[-300:]}")
+        return
+    say(f"test-time compute, {latest.path.name} (python -m trainer evaluate):")
+    say(result.stdout.strip())

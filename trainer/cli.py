@@ -152,16 +152,61 @@ def import_hf(
 def generate(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint or export directory.")],
     prompt: Annotated[str, typer.Option(help="Text to continue.")],
-    depth: Annotated[int, typer.Option(help="Recurrence depth r.")] = 32,
+    depth: Annotated[int, typer.Option(help="Recurrence depth r (the most, with an exit).")] = 32,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
-    tokenizer: Annotated[
-        Path | None, typer.Option(help="tokenizer.json (default: the one saved with the model).")
+    exit_threshold: Annotated[
+        float | None,
+        typer.Option(help="Stop a token's iterations once the latent state changes by < EPS."),
     ] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json to use.")] = None,
 ) -> None:
-    """Continue a prompt at a chosen recurrence depth."""
-    from trainer.export import generate_text
+    """Continue a prompt at a chosen recurrence depth (KV-cached; adaptive with an exit)."""
+    from trainer.generate import generate_text
 
-    typer.echo(generate_text(checkpoint, prompt, depth, max_new_tokens, tokenizer_path=tokenizer))
+    result = generate_text(
+        checkpoint, prompt, depth, max_new_tokens, tokenizer, exit_threshold=exit_threshold
+    )
+    typer.echo(result.text)
+    typer.echo(
+        f"mean depth {result.mean_depth:.2f} of at most {depth} over {len(result.tokens)} tokens",
+        err=True,
+    )
+
+
+@app.command()
+def evaluate(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint or export directory.")],
+    depths: Annotated[str, typer.Option(help="Comma-separated recurrence depths.")] = (
+        "1,4,8,16,32,64"
+    ),
+    data: Annotated[
+        Path | None, typer.Option(help="Prepared dataset; default: the run's data.path.")
+    ] = None,
+    split: Annotated[str, typer.Option(help="Split to evaluate.")] = "val",
+    batches: Annotated[int, typer.Option(help="Batches of --batch-size samples.")] = 2,
+    batch_size: Annotated[int, typer.Option(help="Samples per batch.")] = 8,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of perplexity vs depth.")] = None,
+) -> None:
+    """Validation perplexity at several recurrence depths (test-time compute), with a plot."""
+    import json
+
+    from trainer.evaluate import evaluate_checkpoint
+
+    try:
+        wanted = [int(d) for d in depths.split(",")]
+    except ValueError:
+        raise UserError(f"--depths must be comma-separated integers, got {depths!r}") from None
+    report = evaluate_checkpoint(checkpoint, data, wanted, split, batches, batch_size, plot=plot)
+    if json_output:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    for depth, values in report["depths"].items():  # type: ignore[union-attr]
+        typer.echo(
+            f"depth {depth:>3}: loss {values['loss']:.4f}  perplexity {values['perplexity']:.2f}"
+        )
+    if plot is not None:
+        typer.echo(f"plot: {report['plot']}")
 
 
 def main() -> None:

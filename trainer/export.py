@@ -1,4 +1,4 @@
-"""Checkpoints to and from the published Hugging Face layout, and text generation from either.
+"""Checkpoints to and from the published Hugging Face layout.
 
 `export` writes a checkpoint in the layout of the published Huginn model (trainer/hf.py):
 config.json with RavenConfig's field names, model.safetensors (sharded with an index above 5 GiB)
@@ -19,7 +19,7 @@ import torch
 
 import trainer
 from trainer.checkpoint import MODEL_FILE, TRAINER_STATE_FILE, CheckpointConfig, CheckpointStore
-from trainer.errors import DataError, UserError
+from trainer.errors import UserError
 from trainer.hf import is_hf_dir, load_hf, save_hf
 from trainer.model import ModelConfig, RecurrentLM
 from trainer.rundir import MANIFEST_NAME, RunDir, verify_checkpoint
@@ -64,6 +64,15 @@ def _checkpoint_tokenizer(config: dict[str, Any]) -> Path | None:
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
+
+
+def checkpoint_data_path(path: Path) -> Path | None:
+    """The dataset a checkpoint's run trained on (None for exports and imports)."""
+    if not (path / MANIFEST_NAME).exists():
+        return None
+    extra = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
+    data_path = ((extra.get("config") or {}).get("data") or {}).get("path")
+    return Path(data_path) if data_path else None
 
 
 def _fresh_dir(out_dir: Path) -> Path:
@@ -140,7 +149,7 @@ def import_hf(hf_dir: Path | str, run_dir: Path | str) -> Path:
     return run.checkpoint_path(0)
 
 
-def _load_any(path: Path) -> tuple[RecurrentLM, Path | None]:
+def load_any(path: Path) -> tuple[RecurrentLM, Path | None]:
     """A model from a checkpoint or an export directory, with the tokenizer that belongs to it."""
     if (path / MANIFEST_NAME).exists():
         model, saved = _read_checkpoint(path)
@@ -152,59 +161,3 @@ def _load_any(path: Path) -> tuple[RecurrentLM, Path | None]:
         f"{path} is neither a checkpoint (manifest.json) nor an export (config.json + "
         "model.safetensors)"
     )
-
-
-@torch.no_grad()
-def generate_text(
-    checkpoint_or_export_dir: Path | str,
-    prompt: str,
-    depth: int,
-    max_new_tokens: int = 32,
-    tokenizer_path: Path | str | None = None,
-    top_k: int = 0,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> str:
-    """The continuation of `prompt` at recurrence depth `depth`.
-
-    top_k = 0 decodes greedily; otherwise samples from the k most likely tokens. `seed` fixes both
-    the sampling and the model's random initial state, so equal arguments give equal text.
-    """
-    from tokenizers import Tokenizer
-
-    if depth < 1 or max_new_tokens < 0 or top_k < 0 or temperature <= 0:
-        raise UserError(
-            "generate needs depth >= 1, max_new_tokens >= 0, top_k >= 0 and temperature > 0"
-        )
-    model, found_tokenizer = _load_any(Path(checkpoint_or_export_dir))
-    tokenizer_file = Path(tokenizer_path) if tokenizer_path is not None else found_tokenizer
-    if tokenizer_file is None or not tokenizer_file.is_file():
-        raise UserError(
-            f"no tokenizer.json found for {checkpoint_or_export_dir}; pass --tokenizer FILE"
-        )
-    try:
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    except Exception as error:  # tokenizers raises a bare Exception on a malformed file
-        first_line = (str(error).splitlines() or [type(error).__name__])[0]
-        raise DataError(
-            f"{tokenizer_file} is not a valid tokenizer.json ({first_line or 'empty file'}); copy "
-            "the dataset's tokenizer.json there or pass --tokenizer FILE"
-        ) from None
-    ids = tokenizer.encode(prompt).ids
-    if not ids:
-        raise UserError("the prompt encodes to no tokens; give a non-empty --prompt")
-    if max(ids) >= model.cfg.vocab_size:
-        raise UserError(f"{tokenizer_file} does not match the model's vocabulary")
-    generator = torch.Generator().manual_seed(seed)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        window = torch.tensor([(ids + new)[-model.cfg.max_seq_len :]])
-        logits = model(window, num_steps=depth, state_seeds=[seed]).logits[0, -1].float()
-        if top_k == 0:
-            token = int(logits.argmax())
-        else:
-            top = torch.topk(logits / temperature, min(top_k, logits.numel()))
-            choice = torch.multinomial(top.values.softmax(-1), 1, generator=generator)
-            token = int(top.indices[choice])
-        new.append(token)
-    return tokenizer.decode(new)

@@ -74,6 +74,7 @@ _FIXED: dict[str, Any] = {
     "nonlin_name": "SiLU",
     "state_init": "like-init",
     "injection_type": "linear",
+    "test_time_noise": 0,  # noise added to the state each iteration: not part of this model
 }
 # RavenConfig fields that describe training or initialisation, not the network: kept on export,
 # accepted (and ignored) on import.
@@ -85,7 +86,6 @@ _DESCRIPTIVE: dict[str, Any] = {
     "activation_checkpoint_impl": "per-iteration",
     "torch_dtype": "float32",
     "transformers_version": "4.47.1",
-    "test_time_noise": 0,
     "test_time_noise_type": "fixed",
 }
 # Written by transformers' PretrainedConfig itself (and derived RavenConfig attributes).

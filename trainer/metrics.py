@@ -34,6 +34,7 @@ from trainer.components import StepHealth
 from trainer.config import Config
 from trainer.distributed import CommStats, DistEnv
 from trainer.errors import ConfigError
+from trainer.evaluate import perplexity
 from trainer.flops import flops_per_token
 from trainer.model import ParamCounts
 from trainer.rundir import ExitCode, RunDir, write_json_atomic
@@ -377,19 +378,19 @@ class Reporter:
     def validation(self, step: int, losses: dict[int, float]) -> None:
         if not self.env.is_main:
             return
-        perplexity = {d: math.exp(min(loss, 50.0)) for d, loss in losses.items()}
+        ppl = {d: perplexity(loss) for d, loss in losses.items()}
         self.run_dir.append_metrics(
             {
                 "kind": "val",
                 "step": step,
                 "val_loss": {str(d): v for d, v in losses.items()},
-                "perplexity": {str(d): v for d, v in perplexity.items()},
+                "perplexity": {str(d): v for d, v in ppl.items()},
                 "time": time.time(),
             }
         )
         assert self.metrics is not None
-        self.metrics.update_validation(perplexity)
-        log.info("%s", validation_line(step, losses, perplexity))
+        self.metrics.update_validation(ppl)
+        log.info("%s", validation_line(step, losses, ppl))
 
     def exit(self, state: str, exit_code: ExitCode, step: int) -> None:
         """The last word of this process: status.json, an `exit` event, /healthz state."""

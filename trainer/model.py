@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -163,6 +163,79 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+# Rows of fp32 logits alive at once in the loss: 2²⁶ floats (256 MiB), e.g. 1024 rows at vocab 65536.
+LOSS_CHUNK_ELEMENTS = 1 << 26
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of `x @ weightᵀ` against labels, a chunk of rows at a time.
+
+    The gradients (softmax − one-hot) are formed chunk by chunk during the forward, so the
+    (tokens × vocab) fp32 logits are never materialised whole and nothing is recomputed: the
+    matmuls are the same three a plain linear + cross-entropy runs.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
+        grad_x, grad_w, total, count = _linear_cross_entropy(x, weight, labels, chunk, True)
+        ctx.save_for_backward(grad_x / count, grad_w / count)
+        return total / count
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):  # type: ignore[override]
+        grad_x, grad_w = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad_x * grad_loss.to(grad_x.dtype), grad_w * grad_loss, None, None
+
+
+def _linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, grads: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(d sum/dx, d sum/dweight, sum of token losses, count of labelled tokens); x: (N, d)."""
+    with torch.autocast(x.device.type, enabled=False):
+        w = weight.to(x.dtype)  # under bf16 autocast: the one cast of the head per step
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x) if grads else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None
+        for start in range(0, x.shape[0], chunk):
+            rows, targets = x[start : start + chunk], labels[start : start + chunk]
+            logits = F.linear(rows, w).float()
+            lse = logits.logsumexp(-1)
+            keep = targets != -100
+            picked = targets.clamp(min=0)
+            target_logits = logits.gather(1, picked[:, None])[:, 0]
+            total += torch.where(keep, lse - target_logits, 0.0).sum()
+            if grads:
+                assert grad_x is not None and grad_w is not None
+                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g.scatter_add_(1, picked[:, None], -keep[:, None].to(g.dtype))
+                g.mul_(keep[:, None])
+                g = g.to(x.dtype)
+                grad_x[start : start + chunk] = g @ w
+                grad_w += (g.t() @ rows).float()
+        count = (labels != -100).sum().clamp(min=1).to(torch.float32)
+    return grad_x, grad_w, total, count
+
+
+def linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
+    """F.cross_entropy(F.linear(x, weight).float(), labels, ignore_index=-100) for x: (..., d),
+    labels: (...), without materialising all logits; `chunk` rows at a time (default: 256 MiB
+    of fp32 logits)."""
+    x, labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+    chunk = chunk or max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _ChunkedLinearCrossEntropy.apply(x, weight, labels, chunk)
+    _, _, total, count = _linear_cross_entropy(x, weight, labels, chunk, False)
+    return total / count
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -174,6 +247,33 @@ class RMSNorm(nn.Module):
         return F.rms_norm(_at_least_fp32(x), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
 
 
+class KVCache:
+    """Keys and values of the positions decoded so far, per attention layer execution:
+    ("prelude", i), ("core", iteration, i), ("coda", i): each core iteration has its own."""
+
+    def __init__(self) -> None:
+        self.keys: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.values: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def extend(
+        self, layer: tuple[Any, ...], k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, heads, t, head_dim) to `layer`'s entries; all of them."""
+        if layer in self.keys:
+            k = torch.cat((self.keys[layer], k), dim=2)
+            v = torch.cat((self.values[layer], v), dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def length(self, layer: tuple[Any, ...]) -> int:
+        return self.keys[layer].shape[2] if layer in self.keys else 0
+
+
+class CacheSlot(NamedTuple):
+    cache: KVCache
+    layer: tuple[Any, ...]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -183,16 +283,25 @@ class Attention(nn.Module):
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, cfg.n_heads, cfg.head_dim))
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: CacheSlot | None = None
+    ) -> torch.Tensor:
         b, t, d = x.shape
         qkv = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim)
         # q and k biased and rotated in one fp32 pass, then back to the activations' dtype
         qk = _at_least_fp32(qkv[:, :, :2]) + self.qk_bias.transpose(0, 1)
         q, k = apply_rope(qk, cos, sin).to(qkv.dtype).unbind(2)
-        v = qkv[:, :, 2]
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+        if slot is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # decoding: attend to the cached keys of earlier positions too
+            k, v = slot.cache.extend(slot.layer, k, v)
+            start = k.shape[2] - t
+            mask = None  # one new position sees every cached one
+            if t > 1:
+                rows = torch.arange(start, start + t, device=x.device)[:, None]
+                mask = torch.arange(k.shape[2], device=x.device)[None, :] <= rows
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -216,13 +325,15 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.n2(self.attn(self.n1(x), cos, sin) + x)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: CacheSlot | None = None
+    ) -> torch.Tensor:
+        x = self.n2(self.attn(self.n1(x), cos, sin, slot) + x)
         return self.n4(self.mlp(self.n3(x)) + x)
 
 
 class ModelOutput(NamedTuple):
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None when labels are given: the loss never needs them whole
     loss: torch.Tensor | None
     num_steps: int
 
@@ -306,17 +417,21 @@ class RecurrentLM(nn.Module):
         )
 
     def initial_state(
-        self, like: torch.Tensor, state_seeds: Sequence[int] | None = None
+        self,
+        like: torch.Tensor,
+        state_seeds: Sequence[int] | None = None,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """s₀ with the shape/device/dtype of `like`: truncated normal (±3σ) scaled by √d.
 
         With `state_seeds`, sample i is drawn from its own generator seeded with state_seeds[i], so
-        a sample's forward does not depend on which batch or rank it lands in.
+        a sample's forward does not depend on which batch or rank it lands in; otherwise from
+        `generator` (default: the global one).
         """
         std = self.init_std
         s = torch.empty(like.shape, device=like.device, dtype=torch.float32)
         if state_seeds is None:
-            nn.init.trunc_normal_(s, std=std, a=-3 * std, b=3 * std)
+            nn.init.trunc_normal_(s, std=std, a=-3 * std, b=3 * std, generator=generator)
         else:
             if len(state_seeds) != like.shape[0]:
                 raise ValueError(f"{len(state_seeds)} state_seeds for a batch of {like.shape[0]}")
@@ -325,13 +440,41 @@ class RecurrentLM(nn.Module):
                 nn.init.trunc_normal_(row, std=std, a=-3 * std, b=3 * std, generator=gen)
         return (s * math.sqrt(self.cfg.d_model)).to(like.dtype)
 
-    def core_step(self, s: torch.Tensor, e: torch.Tensor, t: int) -> torch.Tensor:
-        """One iteration of the recurrence: adapter(concat(s, e)) then the C core blocks."""
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+    def core_step(
+        self,
+        s: torch.Tensor,
+        e: torch.Tensor,
+        t: int,
+        start: int = 0,
+        cache: KVCache | None = None,
+        iteration: int = 0,
+    ) -> torch.Tensor:
+        """One iteration of the recurrence: adapter(concat(s, e)) then the C core blocks, for
+        positions start..start+t (decoding with `cache` keeps keys per iteration)."""
+        cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
         x = self.adapter(torch.cat((s, e), dim=-1))
-        for block in self.core:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.core):
+            x = block(x, cos, sin, CacheSlot(cache, ("core", iteration, i)) if cache else None)
         return x
+
+    # Decoding with a KV cache (trainer/generate.py): the forward pass in three parts.
+    def embed(self, input_ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """The prelude output e for tokens at positions start.. (their keys join the cache)."""
+        t = input_ids.shape[1]
+        cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
+        x = self.embedding(input_ids) * math.sqrt(self.cfg.d_model)
+        for i, block in enumerate(self.prelude):
+            x = block(x, cos, sin, CacheSlot(cache, ("prelude", i)))
+        return x
+
+    def head(self, s: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """Logits from the latent state s: ln_f, the coda (keys cached), ln_f, tied head."""
+        t = s.shape[1]
+        cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
+        x = self.ln_f(s)
+        for i, block in enumerate(self.coda):
+            x = block(x, cos, sin, CacheSlot(cache, ("coda", i)))
+        return F.linear(self.ln_f(x), self.embedding.weight)
 
     def forward(
         self,
@@ -340,10 +483,13 @@ class RecurrentLM(nn.Module):
         num_steps: int | None = None,
         backprop_depth: int | None = None,
         state_seeds: Sequence[int] | None = None,
+        state: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids, labels: (B, T) token ids; labels[b, t] is the target for position t
         (already shifted by the caller, nanoGPT style); -100 is ignored in the loss.
-        num_steps defaults to cfg.mean_recurrence, backprop_depth to cfg.backprop_depth."""
+        num_steps defaults to cfg.mean_recurrence, backprop_depth to cfg.backprop_depth.
+        With labels the output has the fp32 loss and no logits (`linear_cross_entropy`).
+        `state` replaces the random initial latent state s₀ (B, T, d)."""
         cfg = self.cfg
         r = cfg.mean_recurrence if num_steps is None else num_steps
         k = cfg.backprop_depth if backprop_depth is None else backprop_depth
@@ -361,7 +507,7 @@ class RecurrentLM(nn.Module):
             x = block(x, cos, sin)
         e = x
 
-        s = self.initial_state(e, state_seeds)
+        s = self.initial_state(e, state_seeds) if state is None else state.to(e.dtype)
         with_grad = min(k, r)
         with torch.no_grad():
             for _ in range(r - with_grad):
@@ -375,11 +521,9 @@ class RecurrentLM(nn.Module):
         x = self.ln_f(s)
         for block in self.coda:
             x = block(x, cos, sin)
-        logits = F.linear(self.ln_f(x), self.embedding.weight)
-
-        loss = None
+        x = self.ln_f(x)
         if labels is not None:
-            loss = F.cross_entropy(
-                logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100
-            )
-        return ModelOutput(logits=logits, loss=loss, num_steps=r)
+            loss = linear_cross_entropy(x, self.embedding.weight, labels)
+            return ModelOutput(logits=None, loss=loss, num_steps=r)
+        logits = F.linear(x, self.embedding.weight)
+        return ModelOutput(logits=logits, loss=None, num_steps=r)

@@ -15,7 +15,8 @@ from safetensors import safe_open
 from tests.trainer.training_runs import run_cli, tiny_config
 from trainer.checkpoint import MODEL_FILE, CheckpointConfig, CheckpointStore
 from trainer.errors import UserError
-from trainer.export import export_checkpoint, generate_text, load_exported
+from trainer.export import export_checkpoint, load_exported
+from trainer.generate import generate_text
 from trainer.model import PRESETS, RecurrentLM
 from trainer.rundir import ExitCode, RunDir
 from trainer.train import train
@@ -122,8 +123,9 @@ def test_import_hf_makes_a_checkpoint_that_trains_and_generates(
         logits(load_exported(export_checkpoint(imported, tmp_path / "again")), ids),
         logits(original, ids),
     )
-    assert generate_text(imported, "The module", depth=2, max_new_tokens=4) == generate_text(
-        ckpt, "The module", depth=2, max_new_tokens=4
+    assert (
+        generate_text(imported, "The module", depth=2, max_new_tokens=4).text
+        == generate_text(ckpt, "The module", depth=2, max_new_tokens=4).text
     )
     # `train` resumes from it: weights imported, optimizer and schedule fresh, steps 1 and 2.
     cfg = tiny_config(prepared_data, tmp_path / "run", "train.steps=2")
@@ -236,9 +238,9 @@ def test_generate_from_checkpoint_and_export_agree(
 ) -> None:
     ckpt, _ = checkpoint
     out = export_checkpoint(ckpt, tmp_path / "export")
-    text = generate_text(ckpt, "The module", depth=2, max_new_tokens=6)
+    text = generate_text(ckpt, "The module", depth=2, max_new_tokens=6).text
     assert isinstance(text, str) and text
-    assert generate_text(out, "The module", depth=2, max_new_tokens=6) == text
+    assert generate_text(out, "The module", depth=2, max_new_tokens=6).text == text
     sampled = generate_text(out, "The module", depth=2, max_new_tokens=6, top_k=20, seed=3)
     assert sampled == generate_text(out, "The module", depth=2, max_new_tokens=6, top_k=20, seed=3)
 

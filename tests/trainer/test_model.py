@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from trainer.errors import ConfigError
 from trainer.model import (
@@ -15,6 +16,7 @@ from trainer.model import (
     ModelConfig,
     RecurrentLM,
     apply_rope,
+    linear_cross_entropy,
     model_config,
     rope_cache,
     sample_recurrence,
@@ -50,7 +52,8 @@ def test_bf16_autocast_keeps_fp32_loss(model: RecurrentLM) -> None:
     ids = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(ids, labels=ids, num_steps=2)
-    assert out.logits.dtype == torch.bfloat16
+        assert model(ids, num_steps=2).logits.dtype == torch.bfloat16
+    assert out.logits is None  # the loss never materialises all logits
     assert out.loss.dtype == torch.float32
     out.loss.backward()
     assert model.adapter.weight.grad.dtype == torch.float32
@@ -194,6 +197,29 @@ def test_meta_model_materialises_with_init_weights() -> None:
     assert torch.isfinite(loss)
     reference = RecurrentLM(TINY)
     torch.testing.assert_close(model.rope_cos, reference.rope_cos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_linear_cross_entropy_equals_the_plain_one(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 37, 16, generator=gen).to(dtype).requires_grad_()
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 37), generator=gen)
+    labels[0, :5] = -100  # ignored positions
+    loss = linear_cross_entropy(x, weight, labels, chunk=8)  # 10 chunks, the last one short
+    (loss * 3).backward()
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = weight.detach().clone().requires_grad_()
+    logits = F.linear(x_ref, w_ref.to(dtype)).float()
+    ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    (ref * 3).backward()
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
+    torch.testing.assert_close(loss, ref, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    torch.testing.assert_close(weight.grad, w_ref.grad, **tol)
+    assert weight.grad.dtype == torch.float32 and x.grad.dtype == dtype
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(x, weight, labels, chunk=8), ref, **tol)
 
 
 def test_rope_rotates_interleaved_pairs_in_fp32() -> None:
