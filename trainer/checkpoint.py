@@ -37,10 +37,13 @@ import torch
 from trainer.errors import ConfigError, UserError
 from trainer.rundir import (
     CHECKPOINT_DIR_RE,
+    MANIFEST_NAME,
     CheckpointInfo,
     ExitCode,
     RunDir,
     checkpoint_dir_name,
+    read_json,
+    sha256_file,
     verify_checkpoint,
     write_manifest,
 )
@@ -54,6 +57,23 @@ OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
 # Pickle framing, the manifest and filesystem block rounding on top of the raw tensor bytes.
 SIZE_SLACK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The two collectives by which the ranks of a run agree on a checkpoint; the defaults are
+    those of a single process."""
+
+    broadcast: Callable[[Any], Any] = lambda obj: obj  # rank 0's object, on every rank
+    gather: Callable[[Any], list[Any]] = lambda obj: [obj]  # every rank's object, in rank order
+
+
+class UnreadableFile(Exception):
+    """One checkpoint file could not be loaded; names the file."""
+
+    def __init__(self, path: Path, cause: BaseException) -> None:
+        super().__init__(f"{path.parent.name}/{path.name} ({_first_line(cause)})")
+        self.path = path
 
 
 class CheckpointError(UserError):
@@ -268,8 +288,16 @@ class CheckpointStore:
     background write surfaces at the next `save` or `wait`. Call `wait()` before the process exits.
     """
 
-    def __init__(self, run_dir: RunDir, cfg: CheckpointConfig, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        run_dir: RunDir,
+        cfg: CheckpointConfig,
+        rank: int,
+        world_size: int,
+        ranks: Ranks | None = None,
+    ) -> None:
         cfg.validate()
+        self.ranks = ranks or Ranks()
         self.run_dir = run_dir
         self.cfg = cfg
         self.rank = rank
@@ -285,6 +313,8 @@ class CheckpointStore:
         self._host = socket.gethostname()
         # Called with a phase name at each step of a save; lets tests stop a save at a known point.
         self.phase_hook: Callable[[str], None] = lambda phase: None
+        # Called with each file before it is read; lets tests make one rank's read fail.
+        self.read_hook: Callable[[Path], None] = lambda path: None
 
     # saving ------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> bool:
@@ -467,32 +497,91 @@ class CheckpointStore:
 
     # loading -----------------------------------------------------------------------------------
     def load(self) -> dict[str, Any] | None:
-        """The state of the checkpoint chosen by `cfg.resume` on CPU, or None to start fresh."""
+        """The state of the checkpoint chosen by `cfg.resume` on CPU, or None to start fresh.
+
+        A collective: rank 0 lists the candidates once; every rank checks and reads each in turn
+        and the first one that every rank could read is the one all of them resume from.
+        """
         resume = self.cfg.resume.strip()
         if resume == "never":
             return None
-        full = self.cfg.verify == "full"
         if resume != "auto":
             path = self._resume_path(resume)
-            info = verify_checkpoint(path, full=full)
-            if not info.valid:
+            state, problems = self._read_on_every_rank(path)
+            if problems:
                 raise ConfigError(
-                    f"checkpoint.resume={resume} is not a usable checkpoint: {info.reason}; "
+                    f"checkpoint.resume={resume} is not a usable checkpoint: {'; '.join(problems)}; "
                     "pick another with `python -m trainer checkpoints RUN_DIR`"
                 )
-            state = self.read(path)
-            self._warn_newer(info.step)
+            self._warn_newer(self._step_of(path))
             return state
-        for listed in reversed(self.run_dir.checkpoints()):
-            info = verify_checkpoint(listed.path, full=True) if full and listed.valid else listed
-            if not info.valid:
-                self._warn(f"checkpoint: skipping {info.path}: {info.reason}")
-                continue
-            try:
-                return self.read(info.path)
-            except Exception as exc:  # a corrupt file must not stop the resume
-                self._warn(f"checkpoint: skipping {info.path}: unreadable ({_first_line(exc)})")
+        candidates = None
+        if self.rank == 0:
+            candidates = []
+            for info in reversed(self.run_dir.checkpoints()):
+                if info.valid:
+                    candidates.append(str(info.path))
+                else:
+                    self._warn(f"checkpoint: skipping {info.path}: {info.reason}")
+        return self._first_readable(self.ranks.broadcast(candidates))
+
+    def _first_readable(
+        self, candidates: list[str], none_left: str = "a fresh start"
+    ) -> dict[str, Any] | None:
+        """The state of the first candidate every rank can read; all ranks skip the others."""
+        for i, name in enumerate(candidates):
+            state, problems = self._read_on_every_rank(Path(name))
+            if not problems:
+                return state
+            instead = Path(candidates[i + 1]).name if i + 1 < len(candidates) else none_left
+            for problem in problems:
+                self._warn(f"checkpoint: {problem}; all ranks fall back to {instead}")
         return None
+
+    def _read_on_every_rank(self, path: Path) -> tuple[dict[str, Any] | None, list[str]]:
+        """(this rank's state, []) when every rank verified and read `path`; else (None, one
+        problem per failing rank, naming the rank, the file and why). A collective."""
+        problem = self._verify_share(path)
+        problems = self._problems(self.ranks.gather(problem))
+        if problems:
+            return None, problems
+        state = None
+        try:
+            state = self.read(path)
+        except UnreadableFile as exc:  # a corrupt or unreadable file must not stop the resume
+            problem = f"cannot read {exc}"
+        problems = self._problems(self.ranks.gather(problem))
+        if problems:
+            self.loaded_path = None
+            return None, problems
+        return state, []
+
+    def _problems(self, per_rank: list[str | None]) -> list[str]:
+        return [f"rank {r} {p}" for r, p in enumerate(per_rank) if p is not None]
+
+    def _verify_share(self, path: Path) -> str | None:
+        """Why this rank must not resume from `path`, or None. Every rank checks the sizes of all
+        files; with verify=full the sha256 work is split: file i is hashed by rank i % world."""
+        info = verify_checkpoint(path)
+        if not info.valid:
+            return f"cannot use {path.name} ({info.reason})"
+        if self.cfg.verify != "full":
+            return None
+        manifest = read_json(path / MANIFEST_NAME) or {}
+        names = sorted(manifest.get("files", {}))
+        for name in names[self.rank :: self.world_size]:
+            try:
+                digest = sha256_file(path / name)
+            except OSError as exc:
+                return f"cannot read {path.name}/{name} ({_first_line(exc)})"
+            if digest != manifest["files"][name].get("sha256"):
+                return f"cannot use {path.name}/{name} (does not match its sha256)"
+        return None
+
+    @staticmethod
+    def _step_of(path: Path) -> int:
+        match = CHECKPOINT_DIR_RE.match(path.name)
+        return int(match.group(1)) if match else -1
 
     def _resume_path(self, resume: str) -> Path:
         path = Path(resume)
@@ -505,17 +594,16 @@ class CheckpointStore:
             )
         return path
 
-    def latest_before(self, step: int) -> CheckpointInfo | None:
-        """The newest checkpoint older than `step` that passes `cfg.verify` (a rollback target)."""
-        for listed in reversed(self.run_dir.checkpoints()):
-            if listed.step >= step or not listed.valid:
-                continue
-            info = (
-                verify_checkpoint(listed.path, full=True) if self.cfg.verify == "full" else listed
-            )
-            if info.valid:
-                return info
-        return None
+    def rollback_candidates(self, step: int) -> list[str]:
+        """Valid checkpoints older than `step`, newest first (rollback targets); rank 0 lists."""
+        return [
+            str(i.path) for i in reversed(self.run_dir.checkpoints()) if i.valid and i.step < step
+        ]
+
+    def roll_back_state(self, step: int) -> dict[str, Any] | None:
+        """The state of the newest checkpoint older than `step` that every rank can read."""
+        candidates = self.rollback_candidates(step) if self.rank == 0 else None
+        return self._first_readable(self.ranks.broadcast(candidates), none_left="nothing")
 
     def set_aside_newer(self, step: int) -> None:
         """After a rollback to `step`: hide the newer checkpoints of the abandoned trajectory.
@@ -539,15 +627,22 @@ class CheckpointStore:
 
     def read(self, path: Path) -> dict[str, Any]:
         """A checkpoint's whole state on CPU; records it as `loaded_path`."""
-        model = torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True)
-        optimizer = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        model = self._load_file(path / MODEL_FILE)
+        optimizer = self._load_file(path / OPTIMIZER_FILE)
         # Written by this module; holds Python and numpy RNG state objects that the weights-only
         # unpickler rejects.
-        rest = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
+        rest = self._load_file(path / TRAINER_STATE_FILE, weights_only=False)
         self.loaded_path = path
         if self.rank == 0:
             log.info("checkpoint: loading %s", path)
         return {"model": model, "optimizer": optimizer, **rest}
+
+    def _load_file(self, path: Path, weights_only: bool = True) -> Any:
+        try:
+            self.read_hook(path)
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
+        except Exception as exc:
+            raise UnreadableFile(path, exc) from exc
 
     def _warn_newer(self, step: int) -> None:
         newer = [i.path.name for i in self.run_dir.checkpoints() if i.valid and i.step > step]
@@ -567,19 +662,14 @@ class CheckpointManager:
 
     Components register with `rolled_back=True` when a rollback restores them (model, optimizer,
     step); the others (data cursor, counters, RNG) keep moving forward. `save`, `load` and
-    `roll_back` are collectives: every rank calls them at the same step; rank 0 writes, and
-    `broadcast` (rank 0's object on every rank) makes the ranks agree on a rollback target.
+    `roll_back` are collectives: every rank calls them at the same step; rank 0 writes, and the
+    store's `Ranks` make all ranks agree on the checkpoint they read.
     """
 
     def __init__(
-        self,
-        store: CheckpointStore,
-        interval_steps: int,
-        constants: dict[str, Any],
-        broadcast: Callable[[Any], Any] = lambda obj: obj,
+        self, store: CheckpointStore, interval_steps: int, constants: dict[str, Any]
     ) -> None:
         self.store = store
-        self.broadcast = broadcast
         self.interval_steps = interval_steps
         self.constants = constants  # saved as they are (config, version)
         self._components: list[tuple[Any, bool]] = []
@@ -623,12 +713,10 @@ class CheckpointManager:
         """Restore the rolled-back components from the newest verified checkpoint older than
         `before_step`; newer checkpoints are set aside. None when there is no such checkpoint."""
         self.store.wait()  # an async save in flight may be the target
-        target = self.store.latest_before(before_step) if self.store.rank == 0 else None
-        chosen = self.broadcast(str(target.path) if target else None)
-        if chosen is None:
+        state = self.store.roll_back_state(before_step)
+        if state is None:
             return None
-        path = Path(chosen)
-        state = self.store.read(path)
+        path = self.store.loaded_path
         for component, rolled_back in self._components:
             if rolled_back:
                 component.load_state_dict(state)

@@ -38,7 +38,7 @@ import torch
 
 import trainer
 from trainer import distributed
-from trainer.checkpoint import CheckpointManager, CheckpointStore
+from trainer.checkpoint import CheckpointManager, CheckpointStore, Ranks
 from trainer.components import DataCursor, Progress, RngStates, StepHealth, TrainState
 from trainer.config import Config, check_world_size, dump_yaml, to_dict
 from trainer.data import TokenDataset, sample_seed
@@ -232,14 +232,14 @@ class Run:
 
     def checkpoint_manager(self, cfg: Config, env: DistEnv, run_dir: RunDir) -> CheckpointManager:
         """What a checkpoint of this run holds, and which parts a rollback restores."""
-        store = CheckpointStore(run_dir, cfg.checkpoint, env.rank, env.world_size)
-        constants = {"config": to_dict(cfg), "version": trainer.__version__}
-        manager = CheckpointManager(
-            store,
-            cfg.checkpoint.interval_steps,
-            constants,
+        ranks = Ranks(
             broadcast=lambda obj: distributed.broadcast_object(obj, env),
+            gather=lambda obj: distributed.gather_objects(obj, env),
         )
+        store = CheckpointStore(run_dir, cfg.checkpoint, env.rank, env.world_size, ranks)
+        store.read_hook = lambda path: self.hooks.on_checkpoint_read(env.rank, path)
+        constants = {"config": to_dict(cfg), "version": trainer.__version__}
+        manager = CheckpointManager(store, cfg.checkpoint.interval_steps, constants)
         manager.register(self.tensors, rolled_back=True)
         manager.register(self.progress, rolled_back=True)
         manager.register(self.cursor)

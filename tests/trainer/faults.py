@@ -6,6 +6,7 @@ environment of `faults_env(...)`, which names `from_env` as the hooks factory.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import torch
 
 from trainer.distributed import DistEnv
 from trainer.hooks import HOOKS_ENV, TrainHooks
-from trainer.rundir import append_jsonl
+from trainer.rundir import append_jsonl, checkpoint_dir_name
 
 FAULTS_ENV = "RLM_TEST_FAULTS"
 
@@ -32,6 +33,10 @@ class Faults(TrainHooks):
     ledger: bool = False
     # This rank hangs before the startup check, like a stuck worker; SIGTERM still ends it.
     stall_rank: int = -1
+    # This rank gets an I/O error reading model.pt of the checkpoint at this step (a bad disk
+    # block, a stale network-filesystem handle): the other ranks read it fine.
+    read_error_rank: int = -1
+    read_error_step: int = -1
 
     def before_startup_check(self, env: DistEnv) -> None:
         if env.world_size > 1 and env.rank == self.stall_rank:
@@ -44,6 +49,15 @@ class Faults(TrainHooks):
         if self.ledger:
             record = {"step": step, "positions": positions, "indices": indices}
             append_jsonl(run_dir / f"ledger-rank{rank}.jsonl", record)
+
+    def on_checkpoint_read(self, rank: int, path: Path) -> None:
+        step_dir = checkpoint_dir_name(self.read_error_step)
+        if (
+            rank == self.read_error_rank
+            and path.parent.name == step_dir
+            and path.name == "model.pt"
+        ):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
 
     def loss(self, loss: torch.Tensor, cursor: int, global_batch: int) -> torch.Tensor:
         return loss * math.nan if cursor // global_batch + 1 in self.nan_steps else loss
