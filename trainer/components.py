@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from trainer import distributed
+from trainer import distributed, parallel
 from trainer.data import GlobalSampler, TokenDataset, consumed_shards, rank_positions
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
@@ -140,17 +140,26 @@ class TrainState:
         )
 
     def state_dict(self) -> dict[str, Any]:
+        if parallel.is_sharded(self.model):  # gathered into the unsharded layout (a collective)
+            model, optimizer = parallel.full_state(self.model, self.optimizer)
+        else:
+            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if parallel.is_sharded(self.model):
+                parallel.load_full_state(
+                    self.model, self.optimizer, state["model"], state["optimizer"]
+                )
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             first = str(exc).strip().splitlines()[0]
             raise ConfigError(

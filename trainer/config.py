@@ -73,6 +73,15 @@ class CommConfig:
 
 
 @dataclass
+class ParallelConfig:
+    strategy: Literal["ddp", "fsdp", "hsdp"] = (
+        "ddp"  # how ranks hold the model (trainer/parallel.py)
+    )
+    replicas: int = 0  # hsdp: replica groups (0: one per node); shards within each
+    offload: bool = False  # fsdp/hsdp on GPUs: parameters and optimizer state in host memory
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 10  # log line and status.json every N steps (metrics.jsonl gets every step)
     host: str = "0.0.0.0"
@@ -91,6 +100,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
@@ -106,6 +116,7 @@ _SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "eval": EvalConfig,
     "comm": CommConfig,
+    "parallel": ParallelConfig,
     "metrics": MetricsConfig,
 }
 _TOP_LEVEL: dict[str, type] = {"run_dir": str, "seed": int}

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import trainer
-from trainer import distributed
+from trainer import distributed, parallel
 from trainer.checkpoint import CheckpointManager, CheckpointStore, Ranks
 from trainer.components import DataCursor, Progress, RngStates, StepHealth, TrainState
 from trainer.config import Config, check_world_size, dump_yaml, to_dict
@@ -153,6 +153,8 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
     # Everything that can be wrong with the input is checked before the process group forms.
     world_size = distributed.world_size_from_env()
     accum_steps = check_world_size(cfg, world_size)
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    parallel.check_strategy(cfg, world_size, cuda)
     train_ds, val_ds = open_data(cfg)
 
     env = distributed.init(cfg.comm, cfg.train.device)
@@ -212,6 +214,9 @@ class Run:
         model.to_empty(device=env.device)
         torch.manual_seed(cfg.seed)
         model.init_weights()
+        # FSDP/HSDP shard the initialised weights in place; the optimizer then holds the shards.
+        sharded = cfg.parallel.strategy != "ddp" and env.distributed
+        comm = parallel.shard_model(model, cfg, env) if sharded else None
         optimizer = build_optimizer(model, cfg.optim, env.device)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
         scaler = torch.amp.GradScaler(env.device.type) if cfg.train.precision == "fp16" else None
@@ -225,7 +230,7 @@ class Run:
             StepHealth(),
             DataCursor(dataset, cfg.seed, env),
             RngStates(env),
-            None,
+            comm,
             dataset,
             hooks,
         )
@@ -248,8 +253,11 @@ class Run:
         return manager
 
     def wrap(self, cfg: Config, env: DistEnv) -> None:
-        """DDP around the model, after a resume loaded its weights. Backprop depth 0 leaves the
-        core without gradients; DDP must then look for unused parameters."""
+        """DDP around the model, after a resume loaded its weights (a sharded model is already
+        wrapped). Backprop depth 0 leaves the core without gradients; DDP must then look for
+        unused parameters."""
+        if parallel.is_sharded(self.model):
+            return
         find_unused = cfg.model.backprop_depth == 0
         self.ddp_model = distributed.wrap_model(self.model, env, cfg.comm, find_unused=find_unused)
         self.comm = distributed.comm_stats(self.ddp_model)
@@ -327,10 +335,9 @@ def train_step(
         )
         data_time += time.perf_counter() - data_start
         last = i == len(micro) - 1
-        # Gradients are all-reduced once per step, on the last micro-batch.
+        # Gradients are all-reduced (or reduce-scattered) once per step, on the last micro-batch.
         ddp = run.ddp_model
-        sync = contextlib.nullcontext() if last or ddp is run.model else ddp.no_sync()
-        with sync:
+        with parallel.gradient_sync(ddp, sync=last):
             with autocast(env, tcfg.precision):
                 out = ddp(inputs, labels, num_steps=r, backprop_depth=k, state_seeds=seeds)
             loss = run.hooks.loss(out.loss / len(micro), run.cursor.position, tcfg.global_batch)
@@ -340,9 +347,8 @@ def train_step(
     optimizer = tensors.optimizer
     if scaler:
         scaler.unscale_(optimizer)
-    max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
     params = [p for p in run.model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    grad_norm = parallel.clip_grad_norm(params, tcfg.grad_clip)
     loss_total, stop_votes = distributed.all_reduce_sum(
         [float(loss_sum), 1.0 if signals.requested else 0.0], env
     )
