@@ -29,6 +29,9 @@ class Faults(TrainHooks):
     # Poison the batches an uninterrupted run trains at these steps (1-based). The poison follows
     # the data, like a bad shard would: a rollback that moves the cursor past it does not meet it.
     nan_steps: tuple[int, ...] = ()
+    # Multiply the loss at these steps (1-based) by 1e30: finite in fp32, but its fp16 gradients
+    # overflow, which the fp16 loss scaler must catch (skip the step, lower the scale).
+    overflow_steps: tuple[int, ...] = ()
     # Each rank appends the global sample positions of every step to run_dir/ledger-rank<r>.jsonl.
     ledger: bool = False
     # This rank hangs before the startup check, like a stuck worker; SIGTERM still ends it.
@@ -60,7 +63,10 @@ class Faults(TrainHooks):
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
 
     def loss(self, loss: torch.Tensor, cursor: int, global_batch: int) -> torch.Tensor:
-        return loss * math.nan if cursor // global_batch + 1 in self.nan_steps else loss
+        step = cursor // global_batch + 1
+        if step in self.overflow_steps:
+            return loss * 1e30
+        return loss * math.nan if step in self.nan_steps else loss
 
 
 def faults_env(**faults: object) -> dict[str, str]:
@@ -73,4 +79,5 @@ def faults_env(**faults: object) -> dict[str, str]:
 
 def from_env() -> Faults:
     values = json.loads(os.environ[FAULTS_ENV])
-    return Faults(**{**values, "nan_steps": tuple(values["nan_steps"])})
+    tuples = {name: tuple(values[name]) for name in ("nan_steps", "overflow_steps")}
+    return Faults(**{**values, **tuples})
