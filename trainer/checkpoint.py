@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
+from trainer import sharded_checkpoint
 from trainer.errors import ConfigError, UserError
 from trainer.rundir import (
     CHECKPOINT_DIR_RE,
@@ -66,6 +68,16 @@ class Ranks:
 
     broadcast: Callable[[Any], Any] = lambda obj: obj  # rank 0's object, on every rank
     gather: Callable[[Any], list[Any]] = lambda obj: [obj]  # every rank's object, in rank order
+    # A gloo group of its own for sharded saves, whose collectives may run in a background thread.
+    checkpoint_group: Any = None
+
+    def gather_for_checkpoint(self, obj: Any) -> list[Any]:
+        """`gather` on the checkpoint group (safe from the async save thread)."""
+        if self.checkpoint_group is None:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self.checkpoint_group)
+        dist.all_gather_object(out, obj, group=self.checkpoint_group)
+        return out
 
 
 class UnreadableFile(Exception):
@@ -92,6 +104,7 @@ class CheckpointConfig:
     on_error: Literal["continue", "stop"] = "continue"  # a failed save: keep training, or exit 1
     resume: str = "auto"  # auto (newest valid), never, or a checkpoint directory
     min_free_bytes: int = 0  # free space to leave on the filesystem after a save
+    format: Literal["full", "sharded"] = "full"  # one file per concern by rank 0, or DCP shards
 
     def __post_init__(self) -> None:
         self.validate()
@@ -111,6 +124,8 @@ class CheckpointConfig:
             raise ConfigError(
                 f"checkpoint.async_save must be true or false, got {self.async_save!r}"
             )
+        if self.format not in ("full", "sharded"):
+            raise ConfigError(f"checkpoint.format must be full or sharded, got {self.format!r}")
         if self.verify not in ("size", "full"):
             raise ConfigError(f"checkpoint.verify must be size or full, got {self.verify!r}")
         if self.on_error not in ("continue", "stop"):
@@ -313,11 +328,15 @@ class CheckpointStore:
         self._host = socket.gethostname()
         # Called with a phase name at each step of a save; lets tests stop a save at a known point.
         self.phase_hook: Callable[[str], None] = lambda phase: None
+        # Sharded checkpoints are read into the state dict of the model as it is sharded now.
+        self.tensor_template: Callable[[], dict[str, Any]] | None = None
         # Called with each file before it is read; lets tests make one rank's read fail.
         self.read_hook: Callable[[Path], None] = lambda path: None
 
     # saving ------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> bool:
+        if self.cfg.format == "sharded":
+            return self._save_sharded(step, state)
         if self.rank != 0:
             return True
         self.wait()
@@ -392,6 +411,9 @@ class CheckpointStore:
             _fsync_dir(final.parent)
         except Exception as exc:  # any failure must leave training running
             return self._failed(step, exc, tmp)
+        return self._published(step, final, manifest, started)
+
+    def _published(self, step: int, final: Path, manifest: dict[str, Any], started: float) -> bool:
         self.saves += 1
         self.last_saved_step = step
         self.last_save_seconds = time.perf_counter() - started
@@ -408,6 +430,106 @@ class CheckpointStore:
         self._prune(keep_step=step)
         return True
 
+    # sharded saves (trainer/sharded_checkpoint.py) ------------------------------------------------
+    def _save_sharded(self, step: int, state: dict[str, Any]) -> bool:
+        """Every rank writes its DCP shards into rank 0's temp directory; rank 0 publishes it."""
+        self.wait()
+        started = time.perf_counter()
+        prepared: tuple[str, str] | None = None
+        if self.rank == 0:
+            prepared = self._prepare_sharded(step)
+        kind, where = self.ranks.broadcast(prepared)
+        if kind == "exists":
+            self.last_saved_step = step
+            return True
+        if kind == "error":
+            return self._failed(step, OSError(where), None)
+        tmp = Path(where)
+        tensors = {"model": state["model"], "optimizer": state["optimizer"]}
+        rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+        try:
+            future = sharded_checkpoint.write_shards(
+                tensors, tmp, self.ranks.checkpoint_group, self.cfg.async_save
+            )
+        except Exception as exc:
+            return self._failed(step, exc, tmp if self.rank == 0 else None)
+        if future is None:
+            return self._finish_sharded(step, tmp, rest, None, started)
+        # DCP has copied the tensors to host memory; the rest is small but mutated by training.
+        args = (step, tmp, to_host(rest), future, started)
+        self._thread = threading.Thread(
+            target=self._finish_sharded, args=args, name=f"checkpoint-{step}", daemon=False
+        )
+        self._thread.start()
+        return True
+
+    def _prepare_sharded(self, step: int) -> tuple[str, str]:
+        """Rank 0: ("write", temp dir), ("exists", path) or ("error", why)."""
+        final = self.run_dir.checkpoint_path(step)
+        try:
+            self.run_dir.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temp_dirs()
+            if final.exists() and verify_checkpoint(final).valid:
+                log.info("checkpoint: %s already exists, not written again", final)
+                return "exists", str(final)
+            tmp = self._tmp_dir(step)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            return "error", _first_line(exc)
+        return "write", str(tmp)
+
+    def _finish_sharded(
+        self, step: int, tmp: Path, rest: dict[str, Any], future: Any, started: float
+    ) -> bool:
+        """Every rank: wait for its shards and hash them; rank 0: trainer_state.pt, manifest,
+        rename. Collectives only on the checkpoint group (this may be the async thread)."""
+        problem, mine = None, {}
+        try:
+            if future is not None:
+                future.result()
+            self.phase_hook(f"shards-written:{step}")
+            mine = sharded_checkpoint.digests_of_rank(tmp, self.rank)
+        except Exception as exc:
+            problem = _first_line(exc)
+        gathered = self.ranks.gather_for_checkpoint((mine, problem))
+        problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(gathered) if p]
+        if self.rank != 0:
+            ok = not problems or self._failed(step, RuntimeError("; ".join(problems)), None)
+            if ok:
+                self.saves += 1
+                self.last_saved_step = step
+            self.ranks.gather_for_checkpoint(None)  # rank 0 has published (or given up)
+            return ok
+        try:
+            if problems:
+                raise RuntimeError("; ".join(problems))
+            final = self.run_dir.checkpoint_path(step)
+            digests = {name: digest for files, _ in gathered for name, digest in files.items()}
+            with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") as pool:
+                digests[TRAINER_STATE_FILE] = _save_file(rest, tmp / TRAINER_STATE_FILE, pool)
+            meta = {
+                "progress": _json_safe(rest.get("progress")),
+                "version": _json_safe(rest.get("version")),
+                "world_size": self.world_size,
+                "format": "sharded",
+            }
+            manifest = write_manifest(tmp, step, meta, digests=digests)
+            _fsync_dir(tmp / sharded_checkpoint.DCP_DIR)
+            _fsync_dir(tmp)
+            self.phase_hook("manifest-written")
+            if final.exists():
+                self._set_aside_invalid(verify_checkpoint(final))
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+        except Exception as exc:
+            ok = self._failed(step, exc, tmp)
+        else:
+            ok = self._published(step, final, manifest, started)
+        self.ranks.gather_for_checkpoint(None)
+        return ok
+
     def _failed(self, step: int, exc: BaseException, tmp: Path | None) -> bool:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -417,8 +539,9 @@ class CheckpointStore:
             f"earlier checkpoints in {self.run_dir.checkpoints_dir} are untouched"
         )
         log.error("error: %s", message)
-        with contextlib.suppress(OSError):  # the same full disk; the log line is the record
-            self.run_dir.append_event("checkpoint_failed", step=step, error=_first_line(exc))
+        if self.rank == 0:
+            with contextlib.suppress(OSError):  # the same full disk; the log line is the record
+                self.run_dir.append_event("checkpoint_failed", step=step, error=_first_line(exc))
         if self.cfg.on_error == "stop":
             error = CheckpointError(f"{message} (checkpoint.on_error=stop)")
             if threading.current_thread() is self._thread:
@@ -627,6 +750,8 @@ class CheckpointStore:
 
     def read(self, path: Path) -> dict[str, Any]:
         """A checkpoint's whole state on CPU; records it as `loaded_path`."""
+        if sharded_checkpoint.is_sharded(path):
+            return self._read_sharded(path)
         model = self._load_file(path / MODEL_FILE)
         optimizer = self._load_file(path / OPTIMIZER_FILE)
         # Written by this module; holds Python and numpy RNG state objects that the weights-only
@@ -636,6 +761,21 @@ class CheckpointStore:
         if self.rank == 0:
             log.info("checkpoint: loading %s", path)
         return {"model": model, "optimizer": optimizer, **rest}
+
+    def _read_sharded(self, path: Path) -> dict[str, Any]:
+        """trainer_state.pt on every rank, and each rank's own shards (a collective)."""
+        rest = self._load_file(path / TRAINER_STATE_FILE, weights_only=False)
+        shards = path / sharded_checkpoint.DCP_DIR
+        if self.tensor_template is None:
+            raise UnreadableFile(shards, RuntimeError("sharded: read it with the trainer"))
+        try:
+            tensors = sharded_checkpoint.read_shards(path, self.tensor_template())
+        except Exception as exc:
+            raise UnreadableFile(shards, exc) from exc
+        self.loaded_path = path
+        if self.rank == 0:
+            log.info("checkpoint: loading %s (sharded)", path)
+        return {**tensors, **rest, sharded_checkpoint.FORMAT_KEY: "sharded"}
 
     def _load_file(self, path: Path, weights_only: bool = True) -> Any:
         try:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from trainer import distributed, parallel
+from trainer import distributed, parallel, sharded_checkpoint
 from trainer.data import GlobalSampler, TokenDataset, consumed_shards, rank_positions
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
@@ -131,6 +131,7 @@ class TrainState:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler | None,
+        sharded_checkpoints: bool = False,
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = (
             model,
@@ -138,9 +139,17 @@ class TrainState:
             scheduler,
             scaler,
         )
+        self.sharded_checkpoints = sharded_checkpoints  # checkpoint.format=sharded (DCP)
+
+    def tensor_template(self) -> dict[str, Any]:
+        """Model and optimizer state as DCP reads it into this rank's shards."""
+        return sharded_checkpoint.tensor_state(self.model, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        if parallel.is_sharded(self.model):  # gathered into the unsharded layout (a collective)
+        if self.sharded_checkpoints:  # each rank's own shards, written by each rank
+            shards = self.tensor_template()
+            model, optimizer = shards["model"], shards["optimizer"]
+        elif parallel.is_sharded(self.model):  # gathered into the unsharded layout (a collective)
             model, optimizer = parallel.full_state(self.model, self.optimizer)
         else:
             model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
@@ -153,7 +162,9 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
-            if parallel.is_sharded(self.model):
+            if state.get(sharded_checkpoint.FORMAT_KEY) == "sharded":
+                sharded_checkpoint.apply_tensor_state(self.model, self.optimizer, state)
+            elif parallel.is_sharded(self.model):
                 parallel.load_full_state(
                     self.model, self.optimizer, state["model"], state["optimizer"]
                 )

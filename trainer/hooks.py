@@ -34,6 +34,9 @@ class TrainHooks:
     def on_checkpoint_read(self, rank: int, path: Path) -> None:
         """Before this rank reads checkpoint file `path` at resume or rollback (may raise OSError)."""
 
+    def on_checkpoint_phase(self, rank: int, phase: str) -> None:
+        """At each phase of a checkpoint save on this rank (`CheckpointStore.phase_hook`)."""
+
     def loss(self, loss: torch.Tensor, cursor: int, global_batch: int) -> torch.Tensor:
         """The micro-batch loss about to be backpropagated; `cursor` is the step's first global
         sample position."""

@@ -220,7 +220,8 @@ class Run:
         optimizer = build_optimizer(model, cfg.optim, env.device)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
         scaler = torch.amp.GradScaler(env.device.type) if cfg.train.precision == "fp16" else None
-        tensors = TrainState(model, optimizer, scheduler, scaler)
+        sharded_checkpoints = cfg.checkpoint.format == "sharded"
+        tensors = TrainState(model, optimizer, scheduler, scaler, sharded_checkpoints)
         return cls(
             model,
             model,
@@ -237,12 +238,16 @@ class Run:
 
     def checkpoint_manager(self, cfg: Config, env: DistEnv, run_dir: RunDir) -> CheckpointManager:
         """What a checkpoint of this run holds, and which parts a rollback restores."""
+        sharded = cfg.checkpoint.format == "sharded" and env.distributed
         ranks = Ranks(
             broadcast=lambda obj: distributed.broadcast_object(obj, env),
             gather=lambda obj: distributed.gather_objects(obj, env),
+            checkpoint_group=distributed.side_group(cfg.comm) if sharded else None,
         )
         store = CheckpointStore(run_dir, cfg.checkpoint, env.rank, env.world_size, ranks)
+        store.tensor_template = self.tensors.tensor_template
         store.read_hook = lambda path: self.hooks.on_checkpoint_read(env.rank, path)
+        store.phase_hook = lambda phase: self.hooks.on_checkpoint_phase(env.rank, phase)
         constants = {"config": to_dict(cfg), "version": trainer.__version__}
         manager = CheckpointManager(store, cfg.checkpoint.interval_steps, constants)
         manager.register(self.tensors, rolled_back=True)

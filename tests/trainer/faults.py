@@ -40,6 +40,10 @@ class Faults(TrainHooks):
     # block, a stale network-filesystem handle): the other ranks read it fine.
     read_error_rank: int = -1
     read_error_step: int = -1
+    # This rank dies by SIGKILL when its checkpoint save reaches this phase, e.g.
+    # "shards-written:4" (trainer/checkpoint.py names the phases).
+    kill_rank: int = -1
+    kill_phase: str = ""
 
     def before_startup_check(self, env: DistEnv) -> None:
         if env.world_size > 1 and env.rank == self.stall_rank:
@@ -61,6 +65,10 @@ class Faults(TrainHooks):
             and path.name == "model.pt"
         ):
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+    def on_checkpoint_phase(self, rank: int, phase: str) -> None:
+        if rank == self.kill_rank and phase == self.kill_phase:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def loss(self, loss: torch.Tensor, cursor: int, global_batch: int) -> torch.Tensor:
         step = cursor // global_batch + 1
