@@ -100,12 +100,14 @@ class DataCursor:
         self.position += global_batch
 
     def state_dict(self) -> dict[str, Any]:
-        shards = consumed_shards(self.dataset, self.sampler, self.position)
+        # Only rank 0's copy is saved.
+        main = self.env.is_main
+        shards = consumed_shards(self.dataset, self.sampler, self.position) if main else []
         fields = {
             "sample_index": self.position,
             "epoch": self.sampler.epoch(self.position),
             "data_fingerprint": self.dataset.fingerprint,
-            "consumed_shards": shards if self.env.is_main else [],
+            "consumed_shards": shards,
         }
         return {"progress": fields}
 

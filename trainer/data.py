@@ -13,6 +13,7 @@ docs/data.md describes the formats and the reasoning.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -643,14 +644,27 @@ def consumed_shards(dataset: TokenDataset, sampler: GlobalSampler, position: int
 
     The current epoch is `sampler.epoch(position)`; every earlier epoch read every shard, so a
     checkpoint records this list together with the epoch. At an epoch boundary the list is empty.
+    O(shards) per call: the offset at which each shard is finished is computed once per epoch.
     """
     if sampler.num_samples != len(dataset):
         raise ValueError(f"sampler has {sampler.num_samples} samples, dataset {len(dataset)}")
     epoch = sampler.epoch(position)
     done = position - epoch * sampler.num_samples
-    read = np.zeros(sampler.num_samples, dtype=bool)
-    read[sampler.permutation(epoch, stop=done)] = True
-    return [shard.name for shard in dataset.shards if read[shard.start : shard.stop].all()]
+    starts = tuple(shard.start for shard in dataset.shards)
+    finished = _shard_finish_offsets(sampler.num_samples, sampler.seed, epoch, starts)
+    return [shard.name for shard, last in zip(dataset.shards, finished, strict=True) if last < done]
+
+
+@functools.lru_cache(maxsize=2)
+def _shard_finish_offsets(
+    num_samples: int, seed: int, epoch: int, starts: tuple[int, ...]
+) -> np.ndarray:
+    """For each shard, the epoch offset at which its last sample is read (one O(N) pass)."""
+    order = GlobalSampler(num_samples, seed).permutation(epoch)
+    shard_of_read = np.searchsorted(np.asarray(starts), order, side="right") - 1
+    finished = np.full(len(starts), -1, dtype=np.int64)
+    np.maximum.at(finished, shard_of_read, np.arange(num_samples, dtype=np.int64))
+    return finished
 
 
 def sample_seed(seed: int, position: int) -> int:
