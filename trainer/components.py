@@ -1,5 +1,10 @@
 """The stateful components of a training run: what a checkpoint holds, each entry with one owner.
 
+No RNG state is saved: nothing a step computes draws from a global generator (the depth is
+seeded from the step, the latent-state noise from each sample's global position, the data order
+from the position), so a resume is exact without one; tests/trainer/test_resume.py proves it
+bit for bit.
+
 Every component has `state_dict()` / `load_state_dict()` (torchtitan's `Stateful`). A checkpoint
 is one dict; a component's `state_dict()` returns the top-level entries it owns, and components
 that share an entry (`progress`) own disjoint fields of it. The checkpoint manager
@@ -10,20 +15,17 @@ each on load, so the on-disk format (docs/checkpoints.md) is written in one plac
     Progress     progress.step, progress.tokens           rolled back
     DataCursor   progress.sample_index, epoch, data_fingerprint, consumed_shards
     StepHealth   progress.nonfinite_steps, skipped_steps
-    RngStates    rng (one entry per rank; gathering it is a collective)
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from trainer import distributed, parallel, sharded_checkpoint
+from trainer import parallel, sharded_checkpoint
 from trainer.data import GlobalSampler, TokenDataset, consumed_shards, rank_positions
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
@@ -182,32 +184,3 @@ class TrainState:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-
-
-class RngStates:
-    """Every rank's Python, numpy, torch (and CUDA) RNG states; rank r resumes with entry r when
-    the world size is unchanged."""
-
-    def __init__(self, env: DistEnv) -> None:
-        self.env = env
-
-    def state_dict(self) -> dict[str, Any]:
-        device = self.env.device
-        mine = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        }
-        return {"rng": distributed.gather_objects(mine, self.env)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        states = state.get("rng") or []
-        if len(states) != self.env.world_size:
-            return
-        mine = states[self.env.rank]
-        random.setstate(mine["python"])
-        np.random.set_state(mine["numpy"])
-        torch.set_rng_state(mine["torch"])
-        if self.env.device.type == "cuda" and mine.get("cuda") is not None:
-            torch.cuda.set_rng_state(mine["cuda"], self.env.device)

@@ -41,6 +41,10 @@ class TrainConfig:
     on_nonfinite: Literal["rollback", "stop"] = "rollback"  # after max_nonfinite in a row
     max_rollbacks: int = 3  # rollbacks per trainer process before giving up (exit 4)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    depth_per: Literal["step", "micro_batch"] = (
+        "step"  # one recurrence draw per step or per micro-batch
+    )
+    deterministic: bool = False  # deterministic kernels (and CUBLAS_WORKSPACE_CONFIG on NVIDIA)
 
 
 @dataclass

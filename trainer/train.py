@@ -39,7 +39,7 @@ import torch
 import trainer
 from trainer import distributed, parallel
 from trainer.checkpoint import CheckpointManager, CheckpointStore, Ranks
-from trainer.components import DataCursor, Progress, RngStates, StepHealth, TrainState
+from trainer.components import DataCursor, Progress, StepHealth, TrainState
 from trainer.config import Config, check_world_size, dump_yaml, to_dict
 from trainer.data import TokenDataset, sample_seed
 from trainer.distributed import CommStats, DistEnv
@@ -135,6 +135,30 @@ def autocast(env: DistEnv, precision: str) -> contextlib.AbstractContextManager[
     return torch.autocast(env.device.type, dtype=PRECISION_DTYPES[precision])
 
 
+def recurrence_depths(cfg: Config, step: int, micro_batches: int) -> list[int]:
+    """The depth of each micro-batch of `step`: one draw for the whole step (`train.depth_per=
+    step`, the default) or one per micro-batch index (the reference run; the same on every rank,
+    but a resume on another world size changes the number of micro-batches and so the draws)."""
+    m = cfg.model
+    if cfg.train.depth_per == "step":
+        r = sample_recurrence(cfg.seed, step, m.mean_recurrence, m.recurrence_sigma)
+        return [r] * micro_batches
+    return [
+        sample_recurrence(cfg.seed, step, m.mean_recurrence, m.recurrence_sigma, micro_batch=i)
+        for i in range(micro_batches)
+    ]
+
+
+def set_deterministic(cfg: Config) -> None:
+    """`train.deterministic`: deterministic kernels only (an op without one raises)."""
+    if not cfg.train.deterministic:
+        return
+    # cuBLAS needs a fixed workspace to be deterministic; set before the first CUDA call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 def train(cfg: Config, hooks: TrainHooks | None = None) -> ExitCode:
     """Run training to `train.steps` (or until stopped); returns the process exit code.
 
@@ -156,6 +180,7 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     parallel.check_strategy(cfg, world_size, cuda)
     train_ds, val_ds = open_data(cfg)
+    set_deterministic(cfg)
 
     env = distributed.init(cfg.comm, cfg.train.device)
     setup_logging(env.rank)
@@ -200,7 +225,6 @@ class Run:
     progress: Progress
     health: StepHealth
     cursor: DataCursor
-    rng: RngStates
     comm: CommStats | None
     dataset: TokenDataset
     hooks: TrainHooks
@@ -230,7 +254,6 @@ class Run:
             Progress(),
             StepHealth(),
             DataCursor(dataset, cfg.seed, env),
-            RngStates(env),
             comm,
             dataset,
             hooks,
@@ -254,7 +277,6 @@ class Run:
         manager.register(self.progress, rolled_back=True)
         manager.register(self.cursor)
         manager.register(self.health)
-        manager.register(self.rng)
         return manager
 
     def wrap(self, cfg: Config, env: DistEnv) -> None:
@@ -323,8 +345,6 @@ def train_step(
     mcfg, tcfg = cfg.model, cfg.train
     tensors, scaler = run.tensors, run.scaler
     step_start = time.perf_counter()
-    r = sample_recurrence(cfg.seed, run.progress.step, mcfg.mean_recurrence, mcfg.recurrence_sigma)
-    k = min(mcfg.backprop_depth, r)
     positions, indices = run.cursor.batch(tcfg.global_batch)
     run.hooks.on_batch(run_dir.path, env.rank, run.progress.step, positions, indices)
 
@@ -333,7 +353,10 @@ def train_step(
     micro = list(
         zip(chunks(indices, tcfg.micro_batch), chunks(positions, tcfg.micro_batch), strict=True)
     )
+    depths = recurrence_depths(cfg, run.progress.step, len(micro))
     for i, (micro_indices, micro_positions) in enumerate(micro):
+        r = depths[i]
+        k = min(mcfg.backprop_depth, r)
         data_start = time.perf_counter()
         inputs, labels, seeds = load_batch(
             run.dataset, micro_indices, micro_positions, cfg.seed, env.device
@@ -388,8 +411,8 @@ def train_step(
         grad_norm=grad_norm,
         lr=lr,
         finite=finite,
-        recurrence=r,
-        backprop_depth=k,
+        recurrence=round(sum(depths) / len(depths)),
+        backprop_depth=round(sum(min(mcfg.backprop_depth, d) for d in depths) / len(depths)),
         tokens=run.progress.tokens,
         tokens_per_step=tokens_per_step,
         step_time=time.perf_counter() - step_start,
