@@ -115,16 +115,13 @@ class CountingAllGather(DefaultAllGather):
 
 
 class CountingReduceScatter(DefaultReduceScatter):
-    def __init__(self, stats: CommStats, replicated: bool) -> None:
+    def __init__(self, stats: CommStats) -> None:
         self.stats = stats
-        self.replicated = replicated
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
         self.stats.count(input_tensor.numel() * input_tensor.element_size())
-        if self.replicated:  # hsdp: the shard is then all-reduced across the replica groups
-            self.stats.count(output_tensor.numel() * output_tensor.element_size())
         return super().__call__(output_tensor, input_tensor, *args, **kwargs)
 
 
@@ -165,7 +162,11 @@ def shard_model(model: RecurrentLM, cfg: Config, env: DistEnv) -> ShardedCommSta
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(CountingAllGather(stats))
-            module.set_custom_reduce_scatter(CountingReduceScatter(stats, replicated))
+            module.set_custom_reduce_scatter(CountingReduceScatter(stats))
+            if replicated:  # hsdp: each gradient shard is all-reduced across the replicas
+                module.set_all_reduce_hook(
+                    lambda out: stats.count(out.numel() * out.element_size())
+                )
     return stats
 
 

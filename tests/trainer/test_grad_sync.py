@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,9 @@ def rank_input(rank: int) -> torch.Tensor:
 def _worker(rank: int, store_path: str, out: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
     env = distributed.DistEnv(rank, 2, rank, torch.device("cpu"), "gloo")
     results = {}
     for compression, factor in SETTINGS:
@@ -53,8 +56,9 @@ def _worker(rank: int, store_path: str, out: str) -> None:
         grads = [p.grad.flatten().tolist() for p in model.parameters()]
         results[f"{compression}/{factor}"] = {"grads": grads, "bytes": ddp.comm_stats.take()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    # No destroy_process_group(): with a FileStore it hung one rank in about 1 run of 10 here;
+    # the process exits, and its sockets with it.
     dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
