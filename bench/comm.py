@@ -4,7 +4,11 @@ Runs `torchrun -m trainer train` on this host and reads the run directories' met
 
 1. 2 ranks with comm.compression none / bf16 / fp16: payload bytes per step and step time;
 2. weak scaling: 2 ranks with per-rank batch b against 1 rank with batch b
-   (efficiency = tokens/s of 2 ranks / (2 × tokens/s of 1 rank); target ≥ 90 %).
+   (efficiency = tokens/s of 2 ranks / (2 × tokens/s of 1 rank); target ≥ 90 %);
+3. parallel.strategy ddp vs fsdp at 2 ranks: bytes per rank per step (DDP: all-reduce payload;
+   FSDP: all-gather + reduce-scatter payload), step time, and rank 0's measured peak memory (RSS
+   on CPU: it includes the ~0.3 GB torch runtime, so the ratio understates the sharding), next to
+   the model + gradient + AdamW state each rank holds (16 B per parameter, / world under FSDP).
 
 Each worker gets one intra-op thread, so 2 ranks need 2 free cores: on a shared or smaller
 machine the efficiency measures the machine, not the trainer. Prints; asserts nothing.
@@ -54,6 +58,7 @@ def run(nproc: int, data: Path, run_dir: Path, args: argparse.Namespace, *extra:
         "comm_bytes": statistics.median(r["comm_bytes"] for r in records),
         "step_time": statistics.median(r["step_time"] for r in records),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+        "peak_memory": max(r["peak_memory_bytes"] for r in records),
     }
 
 
@@ -105,6 +110,39 @@ def main() -> None:
             f"tok/s vs 2 x {single['tokens_per_s']:,.0f} tok/s -> efficiency {100 * efficiency:.0f}% "
             f"(target >= 90%; {os.cpu_count()} CPU cores on this host)"
         )
+        strategies(data, Path(tmp), args)
+
+
+def strategies(data: Path, tmp: Path, args: argparse.Namespace) -> None:
+    import torch
+
+    from trainer.config import load_config
+    from trainer.model import RecurrentLM
+
+    cfg = load_config(REPO / "trainer/configs/tiny.yaml", [f"model.preset={args.preset}"])
+    with torch.device("meta"):
+        n_params = RecurrentLM(cfg.model).param_counts().total
+    b = args.batch
+    print(
+        f"\n{'strategy':>8} {'bytes/step/rank':>16} {'step time':>10} {'peak RSS':>9} "
+        f"{'state/rank':>11}"
+    )
+    for strategy in ("ddp", "fsdp"):
+        r = run(
+            2,
+            data,
+            tmp / f"run-{strategy}",
+            args,
+            f"parallel.strategy={strategy}",
+            f"train.global_batch={4 * b}",
+            f"train.micro_batch={b}",
+        )
+        state = 16 * n_params / (2 if strategy == "fsdp" else 1)
+        print(
+            f"{strategy:>8} {r['comm_bytes']:>16,.0f} {1000 * r['step_time']:>8.0f}ms "
+            f"{r['peak_memory'] / 2**20:>7.0f}Mi {state / 2**20:>9.1f}Mi"
+        )
+    print(f"({n_params:,} parameters; 2 micro-batches per rank per step, fp32)")
 
 
 if __name__ == "__main__":

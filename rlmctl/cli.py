@@ -363,12 +363,15 @@ def plan(
         int | None, typer.Option(help="Sequence length (default: the preset's).")
     ] = None,
     micro_batch: Annotated[int, typer.Option(help="Sequences per GPU per forward.")] = 1,
+    gpus: Annotated[int, typer.Option(help="GPUs of the job (for the layout choice).")] = 8,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node (hsdp shard group).")] = 8,
     json_output: JsonOpt = False,
 ) -> None:
-    """Memory per GPU (weights, grads, optimizer, activations) → minimum GPUs, micro-batch."""
+    """Memory per GPU (weights, grads, optimizer, activations) → minimum GPUs, micro-batch, and
+    the cheapest of ddp / hsdp / fsdp / offload that fits on --gpus."""
     from rlmctl import plan as planning
 
-    estimate = planning.estimate(model, params, gpu_mem, seq_len, micro_batch)
+    estimate = planning.estimate(model, params, gpu_mem, seq_len, micro_batch, gpus, gpus_per_node)
     if json_output:
         render.emit_json(estimate)
     else:

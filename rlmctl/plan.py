@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rlmctl import layouts
 from rlmctl.errors import RlmctlError
 
 BYTES_STATIC_PER_PARAM = 16  # fp32 weights + fp32 grads + AdamW m and v
@@ -41,6 +42,7 @@ def shape(preset: str | None, params: float | None, seq_len: int | None) -> dict
             "mlp_hidden": cfg.mlp_hidden,
             "vocab": cfg.vocab_size,
             "stored_blocks": cfg.n_prelude + cfg.n_coda + cfg.n_core * cfg.backprop_depth,
+            "n_core": cfg.n_core,
             "seq_len": seq_len or cfg.max_seq_len,
         }
     if params is None:
@@ -85,9 +87,13 @@ def estimate(
     gpu_mem_gib: float,
     seq_len: int | None,
     micro_batch: int,
+    gpus: int = 8,
+    gpus_per_node: int = 8,
 ) -> dict[str, Any]:
     if not math.isfinite(gpu_mem_gib):
         raise RlmctlError(f"--gpu-mem {gpu_mem_gib} is not a memory size; give GiB, e.g. 80")
+    if gpus < 1 or gpus_per_node < 1:
+        raise RlmctlError("--gpus and --gpus-per-node must be >= 1")
     if gpu_mem_gib <= RESERVED_GIB:
         raise RlmctlError(f"--gpu-mem {gpu_mem_gib} GiB is too small (need > {RESERVED_GIB})")
     if micro_batch < 1:
@@ -116,6 +122,7 @@ def estimate(
                 "unsharded_fits": unsharded_fits,
                 "min_gpus_sharded": min_gpus,
                 "max_micro_batch_at_min_gpus": micro,
+                "layouts": layouts.choose(model, act, gpus, gpus_per_node, usable),
             }
         )
     return {
@@ -127,6 +134,8 @@ def estimate(
         "usable_gib": usable / 2**30,
         "static_gib": static / 2**30,
         "rule_of_thumb_gpus": math.ceil(model["params"] * 4 / (gpu_mem_gib * 2**30)),
+        "gpus": gpus,
+        "gpus_per_node": gpus_per_node,
         "estimates": rows,
     }
 
@@ -158,4 +167,5 @@ def describe(plan: dict[str, Any]) -> list[str]:
             f"{label}: activations {row['activations_gib']:.1f} GiB/GPU; unsharded (DDP) "
             f"{row['unsharded_per_gpu_gib']:.1f} GiB/GPU {fits}; {sharded}"
         )
+        lines.append(layouts.describe(row["layouts"], plan["gpus"], plan["gpus_per_node"]))
     return lines

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
+from trainer import sharded_checkpoint
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.rundir import (
     CHECKPOINT_DIR_RE,
@@ -42,6 +44,8 @@ from trainer.rundir import (
     ExitCode,
     RunDir,
     checkpoint_dir_name,
+    read_json,
+    sha256_file,
     verify_checkpoint,
     write_manifest,
 )
@@ -55,6 +59,33 @@ OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
 # Pickle framing, the manifest and filesystem block rounding on top of the raw tensor bytes.
 SIZE_SLACK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The two collectives by which the ranks of a run agree on a checkpoint; the defaults are
+    those of a single process."""
+
+    broadcast: Callable[[Any], Any] = lambda obj: obj  # rank 0's object, on every rank
+    gather: Callable[[Any], list[Any]] = lambda obj: [obj]  # every rank's object, in rank order
+    # A gloo group of its own for sharded saves, whose collectives may run in a background thread.
+    checkpoint_group: Any = None
+
+    def gather_for_checkpoint(self, obj: Any) -> list[Any]:
+        """`gather` on the checkpoint group (safe from the async save thread)."""
+        if self.checkpoint_group is None:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self.checkpoint_group)
+        dist.all_gather_object(out, obj, group=self.checkpoint_group)
+        return out
+
+
+class UnreadableFile(Exception):
+    """One checkpoint file could not be loaded; names the file."""
+
+    def __init__(self, path: Path, cause: BaseException) -> None:
+        super().__init__(f"{path.parent.name}/{path.name} ({_first_line(cause)})")
+        self.path = path
 
 
 class CheckpointError(UserError):
@@ -73,6 +104,7 @@ class CheckpointConfig:
     on_error: Literal["continue", "stop"] = "continue"  # a failed save: keep training, or exit 1
     resume: str = "auto"  # auto (newest valid), never, or a checkpoint directory
     min_free_bytes: int = 0  # free space to leave on the filesystem after a save
+    format: Literal["full", "sharded"] = "full"  # one file per concern by rank 0, or DCP shards
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +124,8 @@ class CheckpointConfig:
             raise ConfigError(
                 f"checkpoint.async_save must be true or false, got {self.async_save!r}"
             )
+        if self.format not in ("full", "sharded"):
+            raise ConfigError(f"checkpoint.format must be full or sharded, got {self.format!r}")
         if self.verify not in ("size", "full"):
             raise ConfigError(f"checkpoint.verify must be size or full, got {self.verify!r}")
         if self.on_error not in ("continue", "stop"):
@@ -269,8 +303,16 @@ class CheckpointStore:
     background write surfaces at the next `save` or `wait`. Call `wait()` before the process exits.
     """
 
-    def __init__(self, run_dir: RunDir, cfg: CheckpointConfig, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        run_dir: RunDir,
+        cfg: CheckpointConfig,
+        rank: int,
+        world_size: int,
+        ranks: Ranks | None = None,
+    ) -> None:
         cfg.validate()
+        self.ranks = ranks or Ranks()
         self.run_dir = run_dir
         self.cfg = cfg
         self.rank = rank
@@ -286,9 +328,15 @@ class CheckpointStore:
         self._host = socket.gethostname()
         # Called with a phase name at each step of a save; lets tests stop a save at a known point.
         self.phase_hook: Callable[[str], None] = lambda phase: None
+        # Sharded checkpoints are read into the state dict of the model as it is sharded now.
+        self.tensor_template: Callable[[], dict[str, Any]] | None = None
+        # Called with each file before it is read; lets tests make one rank's read fail.
+        self.read_hook: Callable[[Path], None] = lambda path: None
 
     # saving ------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> bool:
+        if self.cfg.format == "sharded":
+            return self._save_sharded(step, state)
         if self.rank != 0:
             return True
         self.wait()
@@ -363,6 +411,9 @@ class CheckpointStore:
             _fsync_dir(final.parent)
         except Exception as exc:  # any failure must leave training running
             return self._failed(step, exc, tmp)
+        return self._published(step, final, manifest, started)
+
+    def _published(self, step: int, final: Path, manifest: dict[str, Any], started: float) -> bool:
         self.saves += 1
         self.last_saved_step = step
         self.last_save_seconds = time.perf_counter() - started
@@ -379,6 +430,106 @@ class CheckpointStore:
         self._prune(keep_step=step)
         return True
 
+    # sharded saves (trainer/sharded_checkpoint.py) ------------------------------------------------
+    def _save_sharded(self, step: int, state: dict[str, Any]) -> bool:
+        """Every rank writes its DCP shards into rank 0's temp directory; rank 0 publishes it."""
+        self.wait()
+        started = time.perf_counter()
+        prepared: tuple[str, str] | None = None
+        if self.rank == 0:
+            prepared = self._prepare_sharded(step)
+        kind, where = self.ranks.broadcast(prepared)
+        if kind == "exists":
+            self.last_saved_step = step
+            return True
+        if kind == "error":
+            return self._failed(step, OSError(where), None)
+        tmp = Path(where)
+        tensors = {"model": state["model"], "optimizer": state["optimizer"]}
+        rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+        try:
+            future = sharded_checkpoint.write_shards(
+                tensors, tmp, self.ranks.checkpoint_group, self.cfg.async_save
+            )
+        except Exception as exc:
+            return self._failed(step, exc, tmp if self.rank == 0 else None)
+        if future is None:
+            return self._finish_sharded(step, tmp, rest, None, started)
+        # DCP has copied the tensors to host memory; the rest is small but mutated by training.
+        args = (step, tmp, to_host(rest), future, started)
+        self._thread = threading.Thread(
+            target=self._finish_sharded, args=args, name=f"checkpoint-{step}", daemon=False
+        )
+        self._thread.start()
+        return True
+
+    def _prepare_sharded(self, step: int) -> tuple[str, str]:
+        """Rank 0: ("write", temp dir), ("exists", path) or ("error", why)."""
+        final = self.run_dir.checkpoint_path(step)
+        try:
+            self.run_dir.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temp_dirs()
+            if final.exists() and verify_checkpoint(final).valid:
+                log.info("checkpoint: %s already exists, not written again", final)
+                return "exists", str(final)
+            tmp = self._tmp_dir(step)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            return "error", _first_line(exc)
+        return "write", str(tmp)
+
+    def _finish_sharded(
+        self, step: int, tmp: Path, rest: dict[str, Any], future: Any, started: float
+    ) -> bool:
+        """Every rank: wait for its shards and hash them; rank 0: trainer_state.pt, manifest,
+        rename. Collectives only on the checkpoint group (this may be the async thread)."""
+        problem, mine = None, {}
+        try:
+            if future is not None:
+                future.result()
+            self.phase_hook(f"shards-written:{step}")
+            mine = sharded_checkpoint.digests_of_rank(tmp, self.rank)
+        except Exception as exc:
+            problem = _first_line(exc)
+        gathered = self.ranks.gather_for_checkpoint((mine, problem))
+        problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(gathered) if p]
+        if self.rank != 0:
+            ok = not problems or self._failed(step, RuntimeError("; ".join(problems)), None)
+            if ok:
+                self.saves += 1
+                self.last_saved_step = step
+            self.ranks.gather_for_checkpoint(None)  # rank 0 has published (or given up)
+            return ok
+        try:
+            if problems:
+                raise RuntimeError("; ".join(problems))
+            final = self.run_dir.checkpoint_path(step)
+            digests = {name: digest for files, _ in gathered for name, digest in files.items()}
+            with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") as pool:
+                digests[TRAINER_STATE_FILE] = _save_file(rest, tmp / TRAINER_STATE_FILE, pool)
+            meta = {
+                "progress": _json_safe(rest.get("progress")),
+                "version": _json_safe(rest.get("version")),
+                "world_size": self.world_size,
+                "format": "sharded",
+            }
+            manifest = write_manifest(tmp, step, meta, digests=digests)
+            _fsync_dir(tmp / sharded_checkpoint.DCP_DIR)
+            _fsync_dir(tmp)
+            self.phase_hook("manifest-written")
+            if final.exists():
+                self._set_aside_invalid(verify_checkpoint(final))
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+        except Exception as exc:
+            ok = self._failed(step, exc, tmp)
+        else:
+            ok = self._published(step, final, manifest, started)
+        self.ranks.gather_for_checkpoint(None)
+        return ok
+
     def _failed(self, step: int, exc: BaseException, tmp: Path | None) -> bool:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -388,8 +539,9 @@ class CheckpointStore:
             f"earlier checkpoints in {self.run_dir.checkpoints_dir} are untouched"
         )
         log.error("error: %s", message)
-        with contextlib.suppress(OSError):  # the same full disk; the log line is the record
-            self.run_dir.append_event("checkpoint_failed", step=step, error=_first_line(exc))
+        if self.rank == 0:
+            with contextlib.suppress(OSError):  # the same full disk; the log line is the record
+                self.run_dir.append_event("checkpoint_failed", step=step, error=_first_line(exc))
         if self.cfg.on_error == "stop":
             error = CheckpointError(f"{message} (checkpoint.on_error=stop)")
             if threading.current_thread() is self._thread:
@@ -468,42 +620,105 @@ class CheckpointStore:
 
     # loading -----------------------------------------------------------------------------------
     def load(self) -> dict[str, Any] | None:
-        """The state of the checkpoint chosen by `cfg.resume` on CPU, or None to start fresh."""
+        """The state of the checkpoint chosen by `cfg.resume` on CPU, or None to start fresh.
+
+        A collective: rank 0 lists the candidates once; every rank checks and reads each in turn
+        and the first one that every rank could read is the one all of them resume from.
+        """
         resume = self.cfg.resume.strip()
         if resume == "never":
             return None
-        full = self.cfg.verify == "full"
         if resume != "auto":
             path = self._resume_path(resume)
-            info = verify_checkpoint(path, full=full)
-            if not info.valid:
+            state, problems = self._read_on_every_rank(path)
+            if problems:
                 raise ConfigError(
-                    f"checkpoint.resume={resume} is not a usable checkpoint: {info.reason}; "
+                    f"checkpoint.resume={resume} is not a usable checkpoint: {'; '.join(problems)}; "
                     "pick another with `python -m trainer checkpoints RUN_DIR`"
                 )
-            state = self.read(path)
-            self._warn_newer(info.step)
+            self._warn_newer(self._step_of(path))
             return state
-        for listed in reversed(self.run_dir.checkpoints()):
-            info = verify_checkpoint(listed.path, full=True) if full and listed.valid else listed
-            if not info.valid:
-                self._warn(f"checkpoint: skipping {info.path}: {info.reason}")
-                continue
-            try:
-                return self.read(info.path)
-            except Exception as exc:  # a corrupt file must not stop the resume
-                self._warn(f"checkpoint: skipping {info.path}: unreadable ({_first_line(exc)})")
-        # Checkpoints that were complete once (a manifest) but none usable now: starting again
-        # from step 0 would silently throw their progress away. The operator decides.
-        damaged = [i for i in self.run_dir.checkpoints() if (i.path / MANIFEST_NAME).exists()]
-        if damaged:
+        listing = None
+        if self.rank == 0:
+            candidates = []
+            checkpoints = self.run_dir.checkpoints()
+            for info in reversed(checkpoints):
+                if info.valid:
+                    candidates.append(str(info.path))
+                else:
+                    self._warn(f"checkpoint: skipping {info.path}: {info.reason}")
+            # Checkpoints that were complete once (a manifest): if none is usable now, starting
+            # again from step 0 would silently throw their progress away. The operator decides.
+            damaged = [i for i in checkpoints if (i.path / MANIFEST_NAME).exists()]
+            listing = (candidates, [(i.path.name, i.reason) for i in damaged])
+        candidates, damaged = self.ranks.broadcast(listing)
+        state = self._first_readable(candidates)
+        if state is None and damaged:
+            newest, reason = damaged[-1]
             raise DataError(
                 f"none of the {len(damaged)} checkpoint(s) in {self.run_dir.checkpoints_dir} is "
-                f"usable (newest {damaged[-1].path.name}: {damaged[-1].reason}); restore them, "
-                "resume from one with checkpoint.resume=PATH, or start from step 0 with "
-                "checkpoint.resume=never"
+                f"usable (newest {newest}: {reason or 'unreadable'}); restore them, resume from "
+                "one with checkpoint.resume=PATH, or start from step 0 with checkpoint.resume=never"
             )
+        return state
+
+    def _first_readable(
+        self, candidates: list[str], none_left: str = "a fresh start"
+    ) -> dict[str, Any] | None:
+        """The state of the first candidate every rank can read; all ranks skip the others."""
+        for i, name in enumerate(candidates):
+            state, problems = self._read_on_every_rank(Path(name))
+            if not problems:
+                return state
+            instead = Path(candidates[i + 1]).name if i + 1 < len(candidates) else none_left
+            for problem in problems:
+                self._warn(f"checkpoint: {problem}; all ranks fall back to {instead}")
         return None
+
+    def _read_on_every_rank(self, path: Path) -> tuple[dict[str, Any] | None, list[str]]:
+        """(this rank's state, []) when every rank verified and read `path`; else (None, one
+        problem per failing rank, naming the rank, the file and why). A collective."""
+        problem = self._verify_share(path)
+        problems = self._problems(self.ranks.gather(problem))
+        if problems:
+            return None, problems
+        state = None
+        try:
+            state = self.read(path)
+        except UnreadableFile as exc:  # a corrupt or unreadable file must not stop the resume
+            problem = f"cannot read {exc}"
+        problems = self._problems(self.ranks.gather(problem))
+        if problems:
+            self.loaded_path = None
+            return None, problems
+        return state, []
+
+    def _problems(self, per_rank: list[str | None]) -> list[str]:
+        return [f"rank {r} {p}" for r, p in enumerate(per_rank) if p is not None]
+
+    def _verify_share(self, path: Path) -> str | None:
+        """Why this rank must not resume from `path`, or None. Every rank checks the sizes of all
+        files; with verify=full the sha256 work is split: file i is hashed by rank i % world."""
+        info = verify_checkpoint(path)
+        if not info.valid:
+            return f"cannot use {path.name} ({info.reason})"
+        if self.cfg.verify != "full":
+            return None
+        manifest = read_json(path / MANIFEST_NAME) or {}
+        names = sorted(manifest.get("files", {}))
+        for name in names[self.rank :: self.world_size]:
+            try:
+                digest = sha256_file(path / name)
+            except OSError as exc:
+                return f"cannot read {path.name}/{name} ({_first_line(exc)})"
+            if digest != manifest["files"][name].get("sha256"):
+                return f"cannot use {path.name}/{name} (does not match its sha256)"
+        return None
+
+    @staticmethod
+    def _step_of(path: Path) -> int:
+        match = CHECKPOINT_DIR_RE.match(path.name)
+        return int(match.group(1)) if match else -1
 
     def _resume_path(self, resume: str) -> Path:
         path = Path(resume)
@@ -516,17 +731,16 @@ class CheckpointStore:
             )
         return path
 
-    def latest_before(self, step: int) -> CheckpointInfo | None:
-        """The newest checkpoint older than `step` that passes `cfg.verify` (a rollback target)."""
-        for listed in reversed(self.run_dir.checkpoints()):
-            if listed.step >= step or not listed.valid:
-                continue
-            info = (
-                verify_checkpoint(listed.path, full=True) if self.cfg.verify == "full" else listed
-            )
-            if info.valid:
-                return info
-        return None
+    def rollback_candidates(self, step: int) -> list[str]:
+        """Valid checkpoints older than `step`, newest first (rollback targets); rank 0 lists."""
+        return [
+            str(i.path) for i in reversed(self.run_dir.checkpoints()) if i.valid and i.step < step
+        ]
+
+    def roll_back_state(self, step: int) -> dict[str, Any] | None:
+        """The state of the newest checkpoint older than `step` that every rank can read."""
+        candidates = self.rollback_candidates(step) if self.rank == 0 else None
+        return self._first_readable(self.ranks.broadcast(candidates), none_left="nothing")
 
     def set_aside_newer(self, step: int) -> None:
         """After a rollback to `step`: hide the newer checkpoints of the abandoned trajectory.
@@ -550,15 +764,39 @@ class CheckpointStore:
 
     def read(self, path: Path) -> dict[str, Any]:
         """A checkpoint's whole state on CPU; records it as `loaded_path`."""
-        model = torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True)
-        optimizer = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        if sharded_checkpoint.is_sharded(path):
+            return self._read_sharded(path)
+        model = self._load_file(path / MODEL_FILE)
+        optimizer = self._load_file(path / OPTIMIZER_FILE)
         # Written by this module; holds Python and numpy RNG state objects that the weights-only
         # unpickler rejects.
-        rest = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
+        rest = self._load_file(path / TRAINER_STATE_FILE, weights_only=False)
         self.loaded_path = path
         if self.rank == 0:
             log.info("checkpoint: loading %s", path)
         return {"model": model, "optimizer": optimizer, **rest}
+
+    def _read_sharded(self, path: Path) -> dict[str, Any]:
+        """trainer_state.pt on every rank, and each rank's own shards (a collective)."""
+        rest = self._load_file(path / TRAINER_STATE_FILE, weights_only=False)
+        shards = path / sharded_checkpoint.DCP_DIR
+        if self.tensor_template is None:
+            raise UnreadableFile(shards, RuntimeError("sharded: read it with the trainer"))
+        try:
+            tensors = sharded_checkpoint.read_shards(path, self.tensor_template())
+        except Exception as exc:
+            raise UnreadableFile(shards, exc) from exc
+        self.loaded_path = path
+        if self.rank == 0:
+            log.info("checkpoint: loading %s (sharded)", path)
+        return {**tensors, **rest, sharded_checkpoint.FORMAT_KEY: "sharded"}
+
+    def _load_file(self, path: Path, weights_only: bool = True) -> Any:
+        try:
+            self.read_hook(path)
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
+        except Exception as exc:
+            raise UnreadableFile(path, exc) from exc
 
     def _warn_newer(self, step: int) -> None:
         newer = [i.path.name for i in self.run_dir.checkpoints() if i.valid and i.step > step]
@@ -578,19 +816,14 @@ class CheckpointManager:
 
     Components register with `rolled_back=True` when a rollback restores them (model, optimizer,
     step); the others (data cursor, counters, RNG) keep moving forward. `save`, `load` and
-    `roll_back` are collectives: every rank calls them at the same step; rank 0 writes, and
-    `broadcast` (rank 0's object on every rank) makes the ranks agree on a rollback target.
+    `roll_back` are collectives: every rank calls them at the same step; rank 0 writes, and the
+    store's `Ranks` make all ranks agree on the checkpoint they read.
     """
 
     def __init__(
-        self,
-        store: CheckpointStore,
-        interval_steps: int,
-        constants: dict[str, Any],
-        broadcast: Callable[[Any], Any] = lambda obj: obj,
+        self, store: CheckpointStore, interval_steps: int, constants: dict[str, Any]
     ) -> None:
         self.store = store
-        self.broadcast = broadcast
         self.interval_steps = interval_steps
         self.constants = constants  # saved as they are (config, version)
         self._components: list[tuple[Any, bool]] = []
@@ -656,12 +889,10 @@ class CheckpointManager:
         """Restore the rolled-back components from the newest verified checkpoint older than
         `before_step`; newer checkpoints are set aside. None when there is no such checkpoint."""
         self.store.wait()  # an async save in flight may be the target
-        target = self.store.latest_before(before_step) if self.store.rank == 0 else None
-        chosen = self.broadcast(str(target.path) if target else None)
-        if chosen is None:
+        state = self.store.roll_back_state(before_step)
+        if state is None:
             return None
-        path = Path(chosen)
-        state = self.store.read(path)
+        path = self.store.loaded_path
         for component, rolled_back in self._components:
             if rolled_back:
                 component.load_state_dict(state)

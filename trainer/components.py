@@ -1,5 +1,10 @@
 """The stateful components of a training run: what a checkpoint holds, each entry with one owner.
 
+No RNG state is saved: nothing a step computes draws from a global generator (the depth is
+seeded from the step, the latent-state noise from each sample's global position, the data order
+from the position), so a resume is exact without one; tests/trainer/test_resume.py proves it
+bit for bit.
+
 Every component has `state_dict()` / `load_state_dict()` (torchtitan's `Stateful`). A checkpoint
 is one dict; a component's `state_dict()` returns the top-level entries it owns, and components
 that share an entry (`progress`) own disjoint fields of it. The checkpoint manager
@@ -10,20 +15,17 @@ each on load, so the on-disk format (docs/checkpoints.md) is written in one plac
     Progress     progress.step, progress.tokens           rolled back
     DataCursor   progress.sample_index, epoch, data_fingerprint, consumed_shards
     StepHealth   progress.nonfinite_steps, skipped_steps
-    RngStates    rng (one entry per rank; gathering it is a collective)
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from trainer import distributed
+from trainer import parallel, sharded_checkpoint
 from trainer.data import GlobalSampler, TokenDataset, consumed_shards, rank_positions
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
@@ -100,12 +102,14 @@ class DataCursor:
         self.position += global_batch
 
     def state_dict(self) -> dict[str, Any]:
-        shards = consumed_shards(self.dataset, self.sampler, self.position)
+        # Only rank 0's copy is saved.
+        main = self.env.is_main
+        shards = consumed_shards(self.dataset, self.sampler, self.position) if main else []
         fields = {
             "sample_index": self.position,
             "epoch": self.sampler.epoch(self.position),
             "data_fingerprint": self.dataset.fingerprint,
-            "consumed_shards": shards if self.env.is_main else [],
+            "consumed_shards": shards,
         }
         return {"progress": fields}
 
@@ -132,6 +136,7 @@ class TrainState:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler | None,
+        sharded_checkpoints: bool = False,
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = (
             model,
@@ -139,20 +144,39 @@ class TrainState:
             scheduler,
             scaler,
         )
+        self.sharded_checkpoints = sharded_checkpoints  # checkpoint.format=sharded (DCP)
+
+    def tensor_template(self) -> dict[str, Any]:
+        """Model and optimizer state as DCP reads it into this rank's shards."""
+        return sharded_checkpoint.tensor_state(self.model, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.sharded_checkpoints:  # each rank's own shards, written by each rank
+            shards = self.tensor_template()
+            model, optimizer = shards["model"], shards["optimizer"]
+        elif parallel.is_sharded(self.model):  # gathered into the unsharded layout (a collective)
+            model, optimizer = parallel.full_state(self.model, self.optimizer)
+        else:
+            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
-            self.model.load_state_dict(state["model"])
-            if state["optimizer"]:  # empty in an imported checkpoint: start the optimizer fresh
-                self.optimizer.load_state_dict(state["optimizer"])
+            if state.get(sharded_checkpoint.FORMAT_KEY) == "sharded":
+                sharded_checkpoint.apply_tensor_state(self.model, self.optimizer, state)
+            elif parallel.is_sharded(self.model):
+                parallel.load_full_state(
+                    self.model, self.optimizer, state["model"], state["optimizer"]
+                )
+            else:
+                self.model.load_state_dict(state["model"])
+                if state["optimizer"]:  # empty in an imported checkpoint: start the optimizer fresh
+                    self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             first = str(exc).strip().splitlines()[0]
             raise ConfigError(
@@ -163,32 +187,3 @@ class TrainState:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-
-
-class RngStates:
-    """Every rank's Python, numpy, torch (and CUDA) RNG states; rank r resumes with entry r when
-    the world size is unchanged."""
-
-    def __init__(self, env: DistEnv) -> None:
-        self.env = env
-
-    def state_dict(self) -> dict[str, Any]:
-        device = self.env.device
-        mine = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        }
-        return {"rng": distributed.gather_objects(mine, self.env)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        states = state.get("rng") or []
-        if len(states) != self.env.world_size:
-            return
-        mine = states[self.env.rank]
-        random.setstate(mine["python"])
-        np.random.set_state(mine["numpy"])
-        torch.set_rng_state(mine["torch"])
-        if self.env.device.type == "cuda" and mine.get("cuda") is not None:
-            torch.cuda.set_rng_state(mine["cuda"], self.env.device)

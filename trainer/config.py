@@ -41,6 +41,10 @@ class TrainConfig:
     on_nonfinite: Literal["rollback", "stop"] = "rollback"  # after max_nonfinite in a row
     max_rollbacks: int = 3  # rollbacks per trainer process before giving up (exit 4)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    depth_per: Literal["step", "micro_batch"] = (
+        "step"  # one recurrence draw per step or per micro-batch
+    )
+    deterministic: bool = False  # deterministic kernels (and CUBLAS_WORKSPACE_CONFIG on NVIDIA)
 
 
 @dataclass
@@ -73,6 +77,15 @@ class CommConfig:
 
 
 @dataclass
+class ParallelConfig:
+    strategy: Literal["ddp", "fsdp", "hsdp"] = (
+        "ddp"  # how ranks hold the model (trainer/parallel.py)
+    )
+    replicas: int = 0  # hsdp: replica groups (0: one per node); shards within each
+    offload: bool = False  # fsdp/hsdp on GPUs: parameters and optimizer state in host memory
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 10  # log line and status.json every N steps (metrics.jsonl gets every step)
     host: str = "0.0.0.0"
@@ -91,6 +104,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
@@ -106,6 +120,7 @@ _SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "eval": EvalConfig,
     "comm": CommConfig,
+    "parallel": ParallelConfig,
     "metrics": MetricsConfig,
 }
 _TOP_LEVEL: dict[str, type] = {"run_dir": str, "seed": int}

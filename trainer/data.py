@@ -13,6 +13,8 @@ docs/data.md describes the formats and the reasoning.
 from __future__ import annotations
 
 import bisect
+import collections
+import functools
 import hashlib
 import json
 import os
@@ -38,6 +40,11 @@ BYTE_ALPHABET = 256
 MIN_VOCAB_SIZE = BYTE_ALPHABET + 1  # every byte plus the end-of-text token
 TOP_TOKENS = 20
 ZSTD_LEVEL = 3
+# zstd shards are written as independent frames of about this many uncompressed bytes (at least
+# one sample), so that one sample is read by decompressing one frame, not the whole shard.
+ZSTD_FRAME_BYTES = 64 << 10
+# Decompressed frames a TokenDataset keeps (LRU), per process; memory-mapped shards need none.
+CACHE_BYTES = 64 << 20
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,13 +348,22 @@ def _write_shards(
         import zstandard
 
         compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=0)
+    row_bytes = samples.shape[1] * samples.itemsize
+    frame_samples = max(1, ZSTD_FRAME_BYTES // row_bytes)
     shards = []
     for number, first in enumerate(range(0, samples.shape[0], per_shard)):
         rows = samples[first : first + per_shard]
         payload = rows.tobytes()
         name = f"{split}-{number:05d}.bin"
+        frames: dict[str, Any] = {}
         if compressor is not None:
-            payload = compressor.compress(payload)
+            parts = [
+                compressor.compress(rows[i : i + frame_samples].tobytes())
+                for i in range(0, rows.shape[0], frame_samples)
+            ]
+            offsets = np.cumsum([0, *(len(part) for part in parts[:-1])]).tolist()
+            frames = {"frame_samples": frame_samples, "frame_offsets": offsets}
+            payload = b"".join(parts)
             name += ".zst"
         path = directory / name
         with open(path, "wb") as f:
@@ -362,6 +378,7 @@ def _write_shards(
                 "tokens": int(rows.size),
                 "bytes": len(payload),
                 "sha256": hashlib.sha256(payload).hexdigest(),
+                **frames,
             }
         )
     return shards
@@ -407,9 +424,11 @@ class ShardRange:
 class TokenDataset(torch.utils.data.Dataset):
     """One split of a prepared dataset; `ds[i]` is a LongTensor of seq_len+1 token ids.
 
-    Uncompressed shards are memory-mapped; zstd shards are decompressed into memory once, on the
-    first access. Nothing is opened in the constructor beyond size checks, so the dataset pickles
-    cheaply into DataLoader workers.
+    Uncompressed shards are memory-mapped. zstd shards are read one frame at a time (`pread` of
+    its bytes, then decompress) and the decompressed frames are kept in an LRU cache of at most
+    `cache_bytes` (at least one frame): under a global shuffle a process never holds more than
+    that, whatever the size of the split. Nothing is opened in the constructor beyond size
+    checks, so the dataset pickles cheaply into DataLoader workers.
     """
 
     def __init__(
@@ -419,6 +438,7 @@ class TokenDataset(torch.utils.data.Dataset):
         *,
         allow_empty: bool = False,
         verify: str = "size",
+        cache_bytes: int = CACHE_BYTES,
     ):
         self.path = Path(path)
         self.split = split
@@ -478,6 +498,11 @@ class TokenDataset(torch.utils.data.Dataset):
         if verify == "full":
             self.verify_checksums()
         self._arrays: dict[int, np.ndarray] = {}
+        self.cache_bytes = cache_bytes
+        self._frames: collections.OrderedDict[tuple[int, int], np.ndarray] = (
+            collections.OrderedDict()
+        )
+        self._frame_bytes = 0
 
     @property
     def fix_hint(self) -> str:
@@ -507,7 +532,15 @@ class TokenDataset(torch.utils.data.Dataset):
         if not 0 <= index < self._length:
             raise IndexError(f"sample {index} out of range for {self._length} samples")
         number = bisect.bisect_right(self._starts, index) - 1
-        row = self._array(number)[index - self.shards[number].start]
+        local = index - self.shards[number].start
+        entry = self._entries[number]
+        if self.metadata.get("compression") == "zstd":
+            # Shards written before frames existed are one frame.
+            per_frame = int(entry.get("frame_samples") or entry["samples"])
+            frame = self._frame(number, local // per_frame, per_frame)
+            row = frame[local % per_frame]
+        else:
+            row = self._array(number)[local]
         # Cheap (one pass over seq_len ids) and what turns a corrupt shard into a data error
         # instead of an embedding IndexError.
         if row.size and int(row.max()) >= self.vocab_size:
@@ -526,36 +559,55 @@ class TokenDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_arrays"] = {}  # workers map/decompress their own copies
+        state["_frames"], state["_frame_bytes"] = collections.OrderedDict(), 0
         return state
 
-    def _array(self, number: int) -> np.ndarray:
-        array = self._arrays.get(number)
-        if array is not None:
-            return array
-        entry = self._entries[number]
-        shape = (entry["samples"], self._sample_len)
-        shard_path = self.path / entry["name"]
-        if self.metadata.get("compression") == "zstd":
-            import zstandard
+    def _frame(self, number: int, frame: int, per_frame: int) -> np.ndarray:
+        """Decompressed frame `frame` of zstd shard `number` (rows × sample_len), via the LRU."""
+        key = (number, frame)
+        cached = self._frames.get(key)
+        if cached is not None:
+            self._frames.move_to_end(key)
+            return cached
+        import zstandard
 
-            expected = shape[0] * shape[1] * self._dtype.itemsize
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(
-                    shard_path.read_bytes(), max_output_size=expected
-                )
-            except zstandard.ZstdError as error:
-                raise DataError(
-                    f"shard {shard_path} does not decompress ({error}); prepare it again"
-                ) from None
-            if len(raw) != expected:
-                raise DataError(
-                    f"shard {shard_path} holds {len(raw)} bytes, expected {expected}; "
-                    "prepare it again"
-                )
-            array = np.frombuffer(raw, dtype=self._dtype).reshape(shape)
-        else:
-            array = np.memmap(shard_path, dtype=self._dtype, mode="r", shape=shape)
-        self._arrays[number] = array
+        entry = self._entries[number]
+        offsets = entry.get("frame_offsets") or [0]
+        start = offsets[frame]
+        stop = offsets[frame + 1] if frame + 1 < len(offsets) else int(entry["bytes"])
+        rows = min(per_frame, int(entry["samples"]) - frame * per_frame)
+        expected = rows * self._sample_len * self._dtype.itemsize
+        shard_path = self.path / entry["name"]
+        try:
+            with open(shard_path, "rb") as f:
+                compressed = os.pread(f.fileno(), stop - start, start)
+            raw = zstandard.ZstdDecompressor().decompress(compressed, max_output_size=expected)
+        except zstandard.ZstdError as error:
+            raise DataError(
+                f"shard {shard_path} does not decompress ({error}); {self.fix_hint}"
+            ) from None
+        if len(raw) != expected:
+            raise DataError(
+                f"shard {shard_path} frame {frame} holds {len(raw)} bytes, expected {expected}; "
+                f"{self.fix_hint}"
+            )
+        array = np.frombuffer(raw, dtype=self._dtype).reshape(rows, self._sample_len)
+        self._frames[key] = array
+        self._frame_bytes += array.nbytes
+        while self._frame_bytes > self.cache_bytes and len(self._frames) > 1:
+            _, evicted = self._frames.popitem(last=False)
+            self._frame_bytes -= evicted.nbytes
+        return array
+
+    def _array(self, number: int) -> np.ndarray:
+        """Uncompressed shard `number`, memory-mapped (the page cache holds it, not the heap)."""
+        array = self._arrays.get(number)
+        if array is None:
+            entry = self._entries[number]
+            shape = (entry["samples"], self._sample_len)
+            path = self.path / entry["name"]
+            array = np.memmap(path, dtype=self._dtype, mode="r", shape=shape)
+            self._arrays[number] = array
         return array
 
 
@@ -705,14 +757,27 @@ def consumed_shards(dataset: TokenDataset, sampler: GlobalSampler, position: int
 
     The current epoch is `sampler.epoch(position)`; every earlier epoch read every shard, so a
     checkpoint records this list together with the epoch. At an epoch boundary the list is empty.
+    O(shards) per call: the offset at which each shard is finished is computed once per epoch.
     """
     if sampler.num_samples != len(dataset):
         raise ValueError(f"sampler has {sampler.num_samples} samples, dataset {len(dataset)}")
     epoch = sampler.epoch(position)
     done = position - epoch * sampler.num_samples
-    read = np.zeros(sampler.num_samples, dtype=bool)
-    read[sampler.permutation(epoch, stop=done)] = True
-    return [shard.name for shard in dataset.shards if read[shard.start : shard.stop].all()]
+    starts = tuple(shard.start for shard in dataset.shards)
+    finished = _shard_finish_offsets(sampler.num_samples, sampler.seed, epoch, starts)
+    return [shard.name for shard, last in zip(dataset.shards, finished, strict=True) if last < done]
+
+
+@functools.lru_cache(maxsize=2)
+def _shard_finish_offsets(
+    num_samples: int, seed: int, epoch: int, starts: tuple[int, ...]
+) -> np.ndarray:
+    """For each shard, the epoch offset at which its last sample is read (one O(N) pass)."""
+    order = GlobalSampler(num_samples, seed).permutation(epoch)
+    shard_of_read = np.searchsorted(np.asarray(starts), order, side="right") - 1
+    finished = np.full(len(starts), -1, dtype=np.int64)
+    np.maximum.at(finished, shard_of_read, np.arange(num_samples, dtype=np.int64))
+    return finished
 
 
 def sample_seed(seed: int, position: int) -> int:

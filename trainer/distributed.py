@@ -118,6 +118,11 @@ def init(cfg: CommConfig, device: str = "auto") -> DistEnv:
     return DistEnv(rank, world_size, local_rank, dev, backend)
 
 
+def side_group(cfg: CommConfig) -> Any:
+    """A new gloo group over all ranks (a collective), for collectives of a background thread."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
+
+
 def shutdown(env: DistEnv) -> None:
     if env.distributed and dist.is_initialized():
         dist.destroy_process_group()

@@ -127,13 +127,16 @@ def model_config(preset: str, **overrides: object) -> ModelConfig:
     return replace(PRESETS[preset], **overrides)
 
 
-def sample_recurrence(seed: int, step: int, mean: float, sigma: float = 0.5) -> int:
+def sample_recurrence(
+    seed: int, step: int, mean: float, sigma: float = 0.5, micro_batch: int | None = None
+) -> int:
     """Depth r for one optimizer step: λ ~ LogNormal(ln(mean) − σ²/2, σ), r = Poisson(λ) + 1.
 
     E[λ] = mean, so E[r] = mean + 1. The draw depends only on (seed, step), never on global RNG
-    state: every rank gets the same r and a resumed run replays the same depths.
+    state: every rank gets the same r and a resumed run replays the same depths. With
+    `micro_batch`, one draw per micro-batch of the step (the same on every rank: lockstep).
     """
-    rng = np.random.default_rng([seed, step])
+    rng = np.random.default_rng([seed, step] if micro_batch is None else [seed, step, micro_batch])
     lam = rng.lognormal(math.log(mean) - sigma**2 / 2, sigma)
     return int(rng.poisson(lam)) + 1
 

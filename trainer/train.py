@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 import trainer
-from trainer import distributed
-from trainer.checkpoint import CheckpointManager, CheckpointStore
-from trainer.components import DataCursor, Progress, RngStates, StepHealth, TrainState
+from trainer import distributed, parallel
+from trainer.checkpoint import CheckpointManager, CheckpointStore, Ranks
+from trainer.components import DataCursor, Progress, StepHealth, TrainState
 from trainer.config import Config, check_world_size, dump_yaml, to_dict
 from trainer.data import TokenDataset, sample_seed
 from trainer.distributed import CommStats, DistEnv
@@ -135,6 +135,30 @@ def autocast(env: DistEnv, precision: str) -> contextlib.AbstractContextManager[
     return torch.autocast(env.device.type, dtype=PRECISION_DTYPES[precision])
 
 
+def recurrence_depths(cfg: Config, step: int, micro_batches: int) -> list[int]:
+    """The depth of each micro-batch of `step`: one draw for the whole step (`train.depth_per=
+    step`, the default) or one per micro-batch index (the reference run; the same on every rank,
+    but a resume on another world size changes the number of micro-batches and so the draws)."""
+    m = cfg.model
+    if cfg.train.depth_per == "step":
+        r = sample_recurrence(cfg.seed, step, m.mean_recurrence, m.recurrence_sigma)
+        return [r] * micro_batches
+    return [
+        sample_recurrence(cfg.seed, step, m.mean_recurrence, m.recurrence_sigma, micro_batch=i)
+        for i in range(micro_batches)
+    ]
+
+
+def set_deterministic(cfg: Config) -> None:
+    """`train.deterministic`: deterministic kernels only (an op without one raises)."""
+    if not cfg.train.deterministic:
+        return
+    # cuBLAS needs a fixed workspace to be deterministic; set before the first CUDA call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 def train(cfg: Config, hooks: TrainHooks | None = None) -> ExitCode:
     """Run training to `train.steps` (or until stopped); returns the process exit code.
 
@@ -153,7 +177,10 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
     # Everything that can be wrong with the input is checked before the process group forms.
     world_size = distributed.world_size_from_env()
     accum_steps = check_world_size(cfg, world_size)
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    parallel.check_strategy(cfg, world_size, cuda)
     train_ds, val_ds = open_data(cfg)
+    set_deterministic(cfg)
 
     env = distributed.init(cfg.comm, cfg.train.device)
     setup_logging(env.rank)
@@ -239,7 +266,6 @@ class Run:
     progress: Progress
     health: StepHealth
     cursor: DataCursor
-    rng: RngStates
     comm: CommStats | None
     dataset: TokenDataset
     hooks: TrainHooks
@@ -253,10 +279,14 @@ class Run:
         model.to_empty(device=env.device)
         torch.manual_seed(cfg.seed)
         model.init_weights()
+        # FSDP/HSDP shard the initialised weights in place; the optimizer then holds the shards.
+        sharded = cfg.parallel.strategy != "ddp" and env.distributed
+        comm = parallel.shard_model(model, cfg, env) if sharded else None
         optimizer = build_optimizer(model, cfg.optim, env.device)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
         scaler = torch.amp.GradScaler(env.device.type) if cfg.train.precision == "fp16" else None
-        tensors = TrainState(model, optimizer, scheduler, scaler)
+        sharded_checkpoints = cfg.checkpoint.format == "sharded"
+        tensors = TrainState(model, optimizer, scheduler, scaler, sharded_checkpoints)
         return cls(
             model,
             model,
@@ -265,32 +295,37 @@ class Run:
             Progress(),
             StepHealth(),
             DataCursor(dataset, cfg.seed, env),
-            RngStates(env),
-            None,
+            comm,
             dataset,
             hooks,
         )
 
     def checkpoint_manager(self, cfg: Config, env: DistEnv, run_dir: RunDir) -> CheckpointManager:
         """What a checkpoint of this run holds, and which parts a rollback restores."""
-        store = CheckpointStore(run_dir, cfg.checkpoint, env.rank, env.world_size)
-        constants = {"config": to_dict(cfg), "version": trainer.__version__}
-        manager = CheckpointManager(
-            store,
-            cfg.checkpoint.interval_steps,
-            constants,
+        sharded = cfg.checkpoint.format == "sharded" and env.distributed
+        ranks = Ranks(
             broadcast=lambda obj: distributed.broadcast_object(obj, env),
+            gather=lambda obj: distributed.gather_objects(obj, env),
+            checkpoint_group=distributed.side_group(cfg.comm) if sharded else None,
         )
+        store = CheckpointStore(run_dir, cfg.checkpoint, env.rank, env.world_size, ranks)
+        store.tensor_template = self.tensors.tensor_template
+        store.read_hook = lambda path: self.hooks.on_checkpoint_read(env.rank, path)
+        store.phase_hook = lambda phase: self.hooks.on_checkpoint_phase(env.rank, phase)
+        constants = {"config": to_dict(cfg), "version": trainer.__version__}
+        manager = CheckpointManager(store, cfg.checkpoint.interval_steps, constants)
         manager.register(self.tensors, rolled_back=True)
         manager.register(self.progress, rolled_back=True)
         manager.register(self.cursor)
         manager.register(self.health)
-        manager.register(self.rng)
         return manager
 
     def wrap(self, cfg: Config, env: DistEnv) -> None:
-        """DDP around the model, after a resume loaded its weights. Backprop depth 0 leaves the
-        core without gradients; DDP must then look for unused parameters."""
+        """DDP around the model, after a resume loaded its weights (a sharded model is already
+        wrapped). Backprop depth 0 leaves the core without gradients; DDP must then look for
+        unused parameters."""
+        if parallel.is_sharded(self.model):
+            return
         find_unused = cfg.model.backprop_depth == 0
         self.ddp_model = distributed.wrap_model(self.model, env, cfg.comm, find_unused=find_unused)
         self.comm = distributed.comm_stats(self.ddp_model)
@@ -367,8 +402,6 @@ def train_step(
     mcfg, tcfg = cfg.model, cfg.train
     tensors, scaler = run.tensors, run.scaler
     step_start = time.perf_counter()
-    r = sample_recurrence(cfg.seed, run.progress.step, mcfg.mean_recurrence, mcfg.recurrence_sigma)
-    k = min(mcfg.backprop_depth, r)
     positions, indices = run.cursor.batch(tcfg.global_batch)
     run.hooks.on_batch(run_dir.path, env.rank, run.progress.step, positions, indices)
 
@@ -377,17 +410,19 @@ def train_step(
     micro = list(
         zip(chunks(indices, tcfg.micro_batch), chunks(positions, tcfg.micro_batch), strict=True)
     )
+    depths = recurrence_depths(cfg, run.progress.step, len(micro))
     for i, (micro_indices, micro_positions) in enumerate(micro):
+        r = depths[i]
+        k = min(mcfg.backprop_depth, r)
         data_start = time.perf_counter()
         inputs, labels, seeds = load_batch(
             run.dataset, micro_indices, micro_positions, cfg.seed, env.device
         )
         data_time += time.perf_counter() - data_start
         last = i == len(micro) - 1
-        # Gradients are all-reduced once per step, on the last micro-batch.
+        # Gradients are all-reduced (or reduce-scattered) once per step, on the last micro-batch.
         ddp = run.ddp_model
-        sync = contextlib.nullcontext() if last or ddp is run.model else ddp.no_sync()
-        with sync:
+        with parallel.gradient_sync(ddp, sync=last):
             with autocast(env, tcfg.precision):
                 out = ddp(inputs, labels, num_steps=r, backprop_depth=k, state_seeds=seeds)
             loss = run.hooks.loss(out.loss / len(micro), run.cursor.position, tcfg.global_batch)
@@ -397,9 +432,8 @@ def train_step(
     optimizer = tensors.optimizer
     if scaler:
         scaler.unscale_(optimizer)
-    max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
     params = [p for p in run.model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    grad_norm = parallel.clip_grad_norm(params, tcfg.grad_clip)
     loss_total, stop_votes = distributed.all_reduce_sum(
         [float(loss_sum), 1.0 if signals.requested else 0.0], env
     )
@@ -434,8 +468,8 @@ def train_step(
         grad_norm=grad_norm,
         lr=lr,
         finite=finite,
-        recurrence=r,
-        backprop_depth=k,
+        recurrence=round(sum(depths) / len(depths)),
+        backprop_depth=round(sum(min(mcfg.backprop_depth, d) for d in depths) / len(depths)),
         tokens=run.progress.tokens,
         tokens_per_step=tokens_per_step,
         step_time=time.perf_counter() - step_start,

@@ -6,6 +6,7 @@ environment of `faults_env(...)`, which names `from_env` as the hooks factory.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import torch
 
 from trainer.distributed import DistEnv
 from trainer.hooks import HOOKS_ENV, TrainHooks
-from trainer.rundir import append_jsonl
+from trainer.rundir import append_jsonl, checkpoint_dir_name
 
 FAULTS_ENV = "RLM_TEST_FAULTS"
 
@@ -28,10 +29,21 @@ class Faults(TrainHooks):
     # Poison the batches an uninterrupted run trains at these steps (1-based). The poison follows
     # the data, like a bad shard would: a rollback that moves the cursor past it does not meet it.
     nan_steps: tuple[int, ...] = ()
+    # Multiply the loss at these steps (1-based) by 1e30: finite in fp32, but its fp16 gradients
+    # overflow, which the fp16 loss scaler must catch (skip the step, lower the scale).
+    overflow_steps: tuple[int, ...] = ()
     # Each rank appends the global sample positions of every step to run_dir/ledger-rank<r>.jsonl.
     ledger: bool = False
     # This rank hangs before the startup check, like a stuck worker; SIGTERM still ends it.
     stall_rank: int = -1
+    # This rank gets an I/O error reading model.pt of the checkpoint at this step (a bad disk
+    # block, a stale network-filesystem handle): the other ranks read it fine.
+    read_error_rank: int = -1
+    read_error_step: int = -1
+    # This rank dies by SIGKILL when its checkpoint save reaches this phase, e.g.
+    # "shards-written:4" (trainer/checkpoint.py names the phases).
+    kill_rank: int = -1
+    kill_phase: str = ""
 
     def before_startup_check(self, env: DistEnv) -> None:
         if env.world_size > 1 and env.rank == self.stall_rank:
@@ -45,8 +57,24 @@ class Faults(TrainHooks):
             record = {"step": step, "positions": positions, "indices": indices}
             append_jsonl(run_dir / f"ledger-rank{rank}.jsonl", record)
 
+    def on_checkpoint_read(self, rank: int, path: Path) -> None:
+        step_dir = checkpoint_dir_name(self.read_error_step)
+        if (
+            rank == self.read_error_rank
+            and path.parent.name == step_dir
+            and path.name == "model.pt"
+        ):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+    def on_checkpoint_phase(self, rank: int, phase: str) -> None:
+        if rank == self.kill_rank and phase == self.kill_phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def loss(self, loss: torch.Tensor, cursor: int, global_batch: int) -> torch.Tensor:
-        return loss * math.nan if cursor // global_batch + 1 in self.nan_steps else loss
+        step = cursor // global_batch + 1
+        if step in self.overflow_steps:
+            return loss * 1e30
+        return loss * math.nan if step in self.nan_steps else loss
 
 
 def faults_env(**faults: object) -> dict[str, str]:
@@ -59,4 +87,5 @@ def faults_env(**faults: object) -> dict[str, str]:
 
 def from_env() -> Faults:
     values = json.loads(os.environ[FAULTS_ENV])
-    return Faults(**{**values, "nan_steps": tuple(values["nan_steps"])})
+    tuples = {name: tuple(values[name]) for name in ("nan_steps", "overflow_steps")}
+    return Faults(**{**values, **tuples})

@@ -1,0 +1,103 @@
+"""FSDP2 and DDP against one process, with real torchrun gloo workers: the same weights after K
+steps with 2 micro-batches per rank (the no_sync / set_requires_gradient_sync path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.training_runs import TINY, final_weights, overrides, tiny_config, torchrun
+from trainer.config import load_config
+from trainer.errors import ConfigError
+from trainer.model import RecurrentLM
+from trainer.parallel import check_strategy
+from trainer.rundir import ExitCode, RunDir
+from trainer.train import train
+
+# 8 samples per step as 2 ranks × 2 micro-batches × 2 samples, or 1 process × 4 × 2.
+STEPS = ["train.steps=3", "train.micro_batch=2", "comm.compression=none"]
+
+
+def run_here(data: Path, run_dir: Path, *extra: str) -> dict[str, torch.Tensor]:
+    assert train(tiny_config(data, run_dir, *STEPS, *extra)) == ExitCode.OK
+    return final_weights(run_dir)
+
+
+def run_two_ranks(data: Path, run_dir: Path, *extra: str) -> dict[str, torch.Tensor]:
+    result = torchrun(2, "--config", str(TINY), *overrides(data, run_dir, *STEPS, *extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return final_weights(run_dir)
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in RunDir(run_dir).read_metrics() if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def one_process(prepared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Weights of one process, and the noise of summing the same gradients in another order:
+    the same 8 samples as 4 micro-batches of 2 and as 2 of 4."""
+    tmp = tmp_path_factory.mktemp("one")
+    weights = run_here(prepared_data, tmp / "mb2")
+    regrouped = run_here(prepared_data, tmp / "mb4", "train.micro_batch=4")
+    noise = max_difference(weights, regrouped)
+    assert 0 < noise < 1e-4, noise  # fp32: reordering is visible, and small
+    return {"weights": weights, "noise": noise, "losses": train_records(tmp / "mb2")}
+
+
+# hsdp with 2 replica groups of 1 rank: the 2-D mesh, its replicate dimension all-reduced.
+LAYOUTS = {"ddp": [], "fsdp": [], "hsdp": ["parallel.replicas=2"]}
+
+
+@pytest.mark.parametrize("strategy", list(LAYOUTS))
+def test_two_ranks_match_one_process_within_reduction_noise(
+    prepared_data: Path, tmp_path: Path, one_process: dict, strategy: str
+) -> None:
+    layout = [f"parallel.strategy={strategy}", *LAYOUTS[strategy]]
+    weights = run_two_ranks(prepared_data, tmp_path / "run", *layout)
+    # The 2-rank runs sum the same per-sample gradients in yet another order (within a rank,
+    # then across ranks). 4× the measured reordering noise leaves margin for that; a missed or
+    # doubled micro-batch, or a wrong average, moves weights by ~lr = 1e-3.
+    tolerance = 4 * one_process["noise"]
+    difference = max_difference(weights, one_process["weights"])
+    print(f"{strategy}: max |w - w_1| = {difference:.3g}, reorder noise {one_process['noise']:.3g}")
+    assert difference <= tolerance, (difference, one_process["noise"])
+    records = train_records(tmp_path / "run")
+    for mine, ref in zip(records, one_process["losses"], strict=True):
+        assert mine["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    n_params = RecurrentLM(tiny_config(prepared_data, tmp_path).model).param_counts().total
+    if strategy == "fsdp":
+        # Each micro-batch all-gathers every weight once (fp32), the last one also
+        # reduce-scatters every gradient: at least 3 × 4 bytes per parameter per step.
+        assert all(r["comm_bytes"] >= 12 * n_params for r in records), records[0]
+        assert all(r["comm_wire_bytes"] == r["comm_bytes"] / 2 for r in records)
+    elif strategy == "ddp":
+        assert {r["comm_bytes"] for r in records} == {4 * n_params}
+    else:
+        assert all(r["comm_bytes"] > 0 for r in records), records[0]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["train.precision=fp16"], "train.precision=fp16 is not supported with"),
+        (["parallel.offload=true"], "parallel.offload=true needs GPUs"),
+        (["parallel.strategy=hsdp", "parallel.replicas=3"], "must divide the world size 4"),
+    ],
+)
+def test_unsupported_combinations_are_refused_in_one_line(
+    extra: list[str], message: str, tmp_path: Path
+) -> None:
+    strategy = [] if any("hsdp" in e for e in extra) else ["parallel.strategy=fsdp"]
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", "data.path=x", *strategy, *extra])
+    with pytest.raises(ConfigError, match=message) as info:
+        check_strategy(cfg, world_size=4, cuda=False)
+    assert "\n" not in str(info.value)

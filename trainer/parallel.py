@@ -1,0 +1,248 @@
+"""Sharded data parallelism: FSDP2 (`fully_shard`) per block, 1-D (fsdp) or 2-D (hsdp) meshes.
+
+`parallel.strategy` picks how the ranks hold the model:
+
+    ddp    every rank holds all weights, gradients and AdamW state; gradients all-reduced
+           (trainer/distributed.py, with our compression hook)
+    fsdp   every rank holds 1/world of each; each block's weights are all-gathered for its
+           forward/backward and its gradients reduce-scattered (ZeRO-3)
+    hsdp   fsdp within a group of `world / replicas` ranks (a node by default), replicated
+           across the `replicas` groups: a 2-D DeviceMesh ("replicate", "shard"); gradients are
+           reduce-scattered within the group, then all-reduced across groups
+
+Sharding units are the blocks of the prelude, of the looped core and of the coda, plus the root
+(embedding, adapter, ln_f). The core blocks run r times per forward: they keep their gathered
+weights from their first call until backward (`reshard_after_forward=False`) instead of
+all-gathering r times; their memory is C blocks of unsharded weights, not r.
+
+Precision (`MixedPrecisionPolicy`): parameters are all-gathered and computed in the training
+dtype (bf16 under `train.precision=bf16`), the sharded master weights and AdamW state stay fp32,
+and gradients are reduced in fp32 (what the Huginn run did) unless `comm.compression=bf16|fp16`
+asks for a cheaper wire dtype. fp16 loss scaling is refused under fsdp/hsdp: each rank would find
+infs only in its own gradient shard and the ranks could disagree on skipping a step; bf16 needs
+no scaling.
+
+Checkpoints hold the same full (unsharded) model and optimizer state as under DDP, gathered to
+host memory by `full_state` and sharded again by `load_full_state`, so a run can resume on any
+strategy and world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# The default collectives FSDP2 runs; we only wrap them to count their payload bytes.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+from torch.distributed.tensor import DTensor
+
+from trainer.config import Config
+from trainer.distributed import WIRE_DTYPES, CommStats, DistEnv
+from trainer.errors import ConfigError
+from trainer.model import RecurrentLM
+
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def check_strategy(cfg: Config, world_size: int, cuda: bool) -> None:
+    """One-line ConfigErrors for combinations that cannot work; before the process group forms."""
+    p = cfg.parallel
+    if p.strategy == "ddp":
+        if p.offload:
+            raise ConfigError("parallel.offload needs parallel.strategy=fsdp or hsdp")
+        return
+    if cfg.train.precision == "fp16":
+        raise ConfigError(
+            f"train.precision=fp16 is not supported with parallel.strategy={p.strategy} (ranks "
+            "would disagree on which steps overflow); use train.precision=bf16, or strategy=ddp"
+        )
+    if p.offload and not cuda:
+        raise ConfigError(
+            "parallel.offload=true needs GPUs (it offloads device memory to the host); "
+            "set parallel.offload=false"
+        )
+    if p.strategy == "hsdp":
+        replicas = hsdp_replicas(cfg, world_size)
+        if replicas < 1 or world_size % replicas:
+            raise ConfigError(
+                f"parallel.replicas={replicas} must divide the world size {world_size} "
+                "(hsdp: world = replicas × ranks per shard group)"
+            )
+
+
+def hsdp_replicas(cfg: Config, world_size: int) -> int:
+    """Replica groups of hsdp: `parallel.replicas`, else one per node (torchrun's local world)."""
+    if cfg.parallel.replicas:
+        return cfg.parallel.replicas
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, world_size // max(1, local))
+
+
+def build_mesh(cfg: Config, env: DistEnv) -> DeviceMesh:
+    device_type = env.device.type
+    if cfg.parallel.strategy == "fsdp":
+        return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+    replicas = hsdp_replicas(cfg, env.world_size)
+    shape = (replicas, env.world_size // replicas)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+class CountingAllGather(DefaultAllGather):
+    def __init__(self, stats: CommStats) -> None:
+        self.stats = stats
+
+    def __call__(self, output_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.stats.count(output_tensor.numel() * output_tensor.element_size())
+        return super().__call__(output_tensor, *args, **kwargs)
+
+
+class CountingReduceScatter(DefaultReduceScatter):
+    def __init__(self, stats: CommStats) -> None:
+        self.stats = stats
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        self.stats.count(input_tensor.numel() * input_tensor.element_size())
+        return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+
+
+class ShardedCommStats(CommStats):
+    """Payload bytes of FSDP's all-gathers and reduce-scatters (each sends (n−1)/n of it)."""
+
+    def count(self, nbytes: int) -> None:
+        self.payload_bytes += nbytes
+        self.calls += 1
+
+    def ring_wire_bytes(self, payload: int) -> float:
+        n = self.world_size
+        return (n - 1) / n * payload
+
+
+def shard_model(model: RecurrentLM, cfg: Config, env: DistEnv) -> ShardedCommStats:
+    """Apply `fully_shard` to every block and the root, in place; returns the byte counter.
+
+    Call after the weights are initialised (all ranks equal) and before the optimizer is built:
+    the optimizer must hold the sharded parameters.
+    """
+    mesh = build_mesh(cfg, env)
+    wire = WIRE_DTYPES[cfg.comm.compression]
+    policy = MixedPrecisionPolicy(
+        param_dtype=PARAM_DTYPES[cfg.train.precision],
+        reduce_dtype=wire or torch.float32,
+    )
+    common: dict[str, Any] = {"mesh": mesh, "mp_policy": policy}
+    if cfg.parallel.offload:
+        common["offload_policy"] = CPUOffloadPolicy()
+    for block in (*model.prelude, *model.coda):
+        fully_shard(block, **common)
+    for block in model.core:
+        fully_shard(block, reshard_after_forward=False, **common)
+    fully_shard(model, **common)
+    stats = ShardedCommStats(wire, 1.0, env.world_size)
+    replicated = cfg.parallel.strategy == "hsdp" and mesh.size(0) > 1
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(CountingAllGather(stats))
+            module.set_custom_reduce_scatter(CountingReduceScatter(stats))
+            if replicated:  # hsdp: each gradient shard is all-reduced across the replicas
+                module.set_all_reduce_hook(
+                    lambda out: stats.count(out.numel() * out.element_size())
+                )
+    return stats
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Reduce gradients in this backward (`sync`) or keep accumulating them locally: DDP's
+    `no_sync`, and FSDP's `set_requires_gradient_sync`."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        yield
+    elif not sync and hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """The global gradient norm (over all shards) after clipping to `max_norm`."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts of a sharded model, unsharded in rank 0's host memory (the
+    only rank that writes; the others get empty dicts), in the layout `state_dict()` of the
+    unsharded model and optimizer has. A collective."""
+    model_state = get_model_state_dict(model, options=_FULL)
+    named = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    if not named:
+        return model_state, {}
+    # By parameter name -> by parameter index, as torch.optim numbers them.
+    order = [fqn for group in named["param_groups"] for fqn in group["params"]]
+    index = {fqn: i for i, fqn in enumerate(order)}
+    groups, start = [], 0
+    for group in named["param_groups"]:
+        count = len(group["params"])
+        groups.append({**group, "params": list(range(start, start + count))})
+        start += count
+    state = {index[fqn]: value for fqn, value in named["state"].items()}
+    return model_state, {"state": state, "param_groups": groups}
+
+
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
+) -> None:
+    """Shard full (unsharded) state dicts into a sharded model and its optimizer (a collective)."""
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    if not optim_state:  # an imported checkpoint holds weights only: the optimizer starts fresh
+        return
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    ids = [i for group in optim_state["param_groups"] for i in group["params"]]
+    if len(ids) != len(names):
+        raise ValueError(f"optimizer state has {len(ids)} parameters, the model {len(names)}")
+    fqn = dict(zip(ids, _param_names(model, optimizer), strict=True))
+    named = {
+        "state": {fqn[i]: value for i, value in optim_state["state"].items()},
+        "param_groups": [
+            {**group, "params": [fqn[i] for i in group["params"]]}
+            for group in optim_state["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, named, options=options)
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of the optimizer's parameters in its own order."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
