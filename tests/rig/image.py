@@ -34,7 +34,9 @@ REPO_MOUNT = "/srv/rlm-rig-repo"
 SUITES = ("bookworm", "trixie")  # Debian 12 and 13
 BUILD_TIMEOUT_S = 1800
 
-# A bare node: what a minimal cloud or netinst install has before any configuration management.
+# A bare node: what a minimal cloud image has before any configuration management. python3-apt
+# comes with unattended-upgrades on Debian and Ubuntu cloud images; Ansible's apt module cannot
+# plan (check mode) without it.
 BASE_PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -44,6 +46,7 @@ BASE_PACKAGES = (
     "netbase",
     "iproute2",
     "procps",
+    "python3-apt",
 )
 # What the roles install on Debian (common's base list, firewall, exporters, Prometheus,
 # Alertmanager) plus what Ansible's own modules need on a bare node (apt, pip).
@@ -63,7 +66,6 @@ REPO_PACKAGES = (
     "prometheus-node-exporter",
     "prometheus",
     "prometheus-alertmanager",
-    "python3-apt",
     "python3-packaging",
 )
 # Alternatives to the list above, fetched by themselves (they conflict with one of its packages).

@@ -188,6 +188,8 @@ class Rig:
         holders = {}
         binds = [(str(layout.shared_dir), False), (str(layout.client_dir), True)]
         binds += [(str(node.CHECKOUT), True)]  # the code and venv, as on the fast kind
+        if not Path(sys.prefix).is_relative_to(node.CHECKOUT):
+            binds += [(sys.prefix, True)]
         for i, ((name, ip), suite) in enumerate(zip(hosts, self.releases, strict=True), 1):
             if suite:
                 proc = booted.start(layout, name, layout.netns(i), images[suite], binds)
