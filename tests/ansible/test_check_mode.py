@@ -4,7 +4,8 @@ One playbook run plans six differently configured nodes at once (all `ansible_co
 AMD MI300X on Ubuntu jammy, NVIDIA H100 on EL 9 and on Ubuntu (vendor auto-detected from lspci),
 two nodes whose "driver" package is a real Debian package that is absent (`hello`) or installed
 (`procps`) so that apt itself decides whether the driver changes, and one node asking for a power
-cap the GPUs cannot take. Vendor binaries are stand-ins printing recorded output
+cap the GPUs cannot take. This machine has no GPU driver loaded: nodes whose driver is meant to be
+loaded look for a module that is (`/sys/module/kernel`), amd_driver_new for the real amdgpu one. Vendor binaries are stand-ins printing recorded output
 (fixtures/bin); the OS is faked through the rlm_os_family/... variables the roles read.
 """
 
@@ -31,20 +32,29 @@ EL9 = {
     "rlm_distribution_version": "9.4",
     "rlm_kernel": "5.14.0-427.13.1.el9_4.x86_64",
 }
-AMD = {**UBUNTU, "rlm_gpu_vendor": "amd", "gpu_amd_repo_key_src": KEY}
+LOADED = {"gpu_detect_module_dirs": {"amd": "/sys/module/kernel", "nvidia": "/sys/module/kernel"}}
+AMD = {**UBUNTU, **LOADED, "rlm_gpu_vendor": "amd", "gpu_amd_repo_key_src": KEY}
 HOSTS = {
     "amd_plan": {**AMD, "rlm_gpu_power_limit_w": 600, "rlm_shared_fs": "lustre"},
-    "amd_driver_new": {**AMD, "gpu_amd_driver_packages": ["hello"]},
+    # Installed, not loaded: the real /sys/module/amdgpu is absent here.
+    "amd_driver_new": {
+        **AMD,
+        "gpu_amd_driver_packages": ["hello"],
+        "gpu_detect_module_dirs": {"amd": "/sys/module/amdgpu"},
+        "rlm_gpu_power_limit_w": 600,
+    },
     "amd_driver_current": {**AMD, "gpu_amd_driver_packages": ["procps"]},
     "nv_el9": {
         **EL9,
+        **LOADED,
         "rlm_gpu_vendor": "nvidia",
         "gpu_nvidia_driver_version": "550.127.08",
         "rlm_gpu_power_limit_w": 500,
     },
-    "nv_auto": {**UBUNTU, "rlm_gpu_vendor": "auto", "gpu_nvidia_repo_key_src": KEY},
+    "nv_auto": {**UBUNTU, **LOADED, "rlm_gpu_vendor": "auto", "gpu_nvidia_repo_key_src": KEY},
     "nv_bad_cap": {
         **UBUNTU,
+        **LOADED,
         "rlm_gpu_vendor": "nvidia",
         "rlm_gpu_power_limit_w": 800,
         "gpu_nvidia_repo_key_src": KEY,
@@ -120,15 +130,24 @@ def test_amd_packages_planned(planned: PlaybookRun) -> None:
         "linux-modules-extra-5.15.0-125-generic",
     ]
     runtime = module_names(planned, "amd_plan", "Install the ROCm runtime and RCCL")
-    assert {"rocm-hip-runtime", "rccl", "amd-smi-lib"} <= set(runtime)
+    # hipcc and the RCCL headers: what building rccl-tests needs.
+    assert {"rocm-hip-runtime", "rccl", "amd-smi-lib", "hipcc", "rccl-dev"} <= set(runtime)
     assert "render" in text(planned, "amd_plan", "Add GPU users to the render and video groups")
 
 
-def test_reboot_is_requested_only_when_the_driver_package_changes(planned: PlaybookRun) -> None:
+def test_a_driver_not_loaded_skips_its_users_with_one_line(planned: PlaybookRun) -> None:
     assert planned.task("amd_driver_new", "Install the amdgpu kernel driver").changed
-    assert planned.ran("amd_driver_new", "Report the pending reboot")
+    report = planned.task("amd_driver_new", "Report the pending reboot").result["msg"]
+    assert report == (
+        "amd_driver_new: reboot required (driver hello 6.2.4 installed, not loaded): "
+        "run playbooks/reboot.yml"
+    )
     # rlm_allow_reboot is false: the reboot handler is notified but does not reboot.
     assert not planned.ran("amd_driver_new", "Reboot to load the new amdgpu driver")
+    # Nothing calls the vendor tools before the driver is loaded (they would fail).
+    for task in ("List GPU agents with rocminfo", "Read power limits with amd-smi"):
+        assert not planned.ran("amd_driver_new", task), task
+    assert planned.stats("amd_driver_new")["failures"] == 0
     assert not planned.task("amd_driver_current", "Install the amdgpu kernel driver").changed
     assert not planned.ran("amd_driver_current", "Report the pending reboot")
 
@@ -146,6 +165,10 @@ def test_nvidia_el9_driver_fabricmanager_and_nccl(planned: PlaybookRun) -> None:
     assert "developer.download.nvidia.com/compute/cuda/repos/rhel9/x86_64" in json.dumps(repo)
     # lspci shows four NVSwitches: fabricmanager is planned without being asked for.
     # dnf cannot run on this Debian machine: the plan is the package list the task was given.
+    # NVIDIA signs its RHEL repositories with D42D0685 (3bf863cc is the Ubuntu key).
+    assert "rhel9/x86_64/D42D0685.pub" in json.dumps(repo)
+    # EPEL brings dkms (dnf cannot run here: planned, not resolved).
+    assert planned.ran("nv_el9", "Install EPEL") and planned.ran("nv_el9", "Install dkms")
     driver = planned.task("nv_el9", "Decide the driver packages").result["ansible_facts"]
     assert driver["gpu_nvidia_driver_packages"] == [
         "@nvidia-driver:550-open",
@@ -166,9 +189,11 @@ def test_nvidia_vendor_detected_from_lspci_on_ubuntu(planned: PlaybookRun) -> No
         "nvidia-open-550",
         "nvidia-fabricmanager-550",
     ]
+    # The CUDA compiler for nccl-tests comes from the toolkit release NCCL was built for.
     assert module_names(planned, "nv_auto", "Install NCCL") == [
         "libnccl2=2.21.5-1+cuda12.4",
         "libnccl-dev=2.21.5-1+cuda12.4",
+        "cuda-nvcc-12-4",
     ]
     pin = text(planned, "nv_auto", "Pin the driver branch")
     assert "Pin: version 550.*" in pin

@@ -8,6 +8,7 @@ import time
 from typing import NoReturn
 
 from tests.rig.errors import RigError
+from tests.rig.image import SUITES
 from tests.rig.layout import MAX_HOSTS, MAX_SLOTS, Layout, rig_id_from_env, slot_layouts
 from tests.rig.processes import ProcessId, is_running
 from tests.rig.rig import Rig, check_count, require_root, teardown, teardown_all
@@ -42,16 +43,22 @@ def _parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="bring up N hosts node1..nodeN (replacing this id's rig)")
     up.add_argument("count", type=_count, metavar="N", help=f"number of hosts, 1..{MAX_HOSTS}")
     up.add_argument("--slot", type=_slot, default=0, help="one of several rigs of this id (0)")
+    up.add_argument(
+        "--release",
+        choices=SUITES,
+        help="boot systemd nodes of this Debian release (default: the fast kind, no init)",
+    )
     down = commands.add_parser("down", help="tear down the rigs of this RLM_RIG_ID")
     down.add_argument("--slot", type=_slot, help="only this one (default: every slot)")
     commands.add_parser("status", help="show the rigs of this RLM_RIG_ID")
     return parser
 
 
-def _up(count: int, slot: int) -> None:
-    rig = Rig(count, slot=slot)
+def _up(count: int, slot: int, release: str | None) -> None:
+    rig = Rig(count, slot=slot, release=release)
     rig.up()  # tears itself down if interrupted
-    lines = [f"rig {rig.layout.prefix}: {count} hosts up in {rig.bring_up_s:.1f}s"]
+    kind = f"{release} systemd " if release else ""
+    lines = [f"rig {rig.layout.prefix}: {count} {kind}hosts up in {rig.bring_up_s:.1f}s"]
     lines += [f"  {h.name:<8} {h.ip:<15} netns {h.netns}" for h in rig.hosts]
     lines += [
         f"inventory  {rig.inventory_path}",
@@ -74,6 +81,8 @@ def _status(rig_id: int) -> int:
         print(f"rig {layout.prefix}: {state['count']} hosts, up {age:.0f}s, {layout.state_dir}")
         for entry in state.get("hosts", []):
             sshd = entry.get("sshd")
+            if entry.get("release"):  # sshd is a unit of the node: report the node itself
+                sshd = entry["holder"]
             running = bool(sshd) and is_running(ProcessId.from_json(sshd))
             print(
                 f"  {entry['name']:<8} {entry['ip']:<15} sshd {'running' if running else 'stopped'}"
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             return _status(rig_id)
         require_root()
         if args.command == "up":
-            _up(args.count, args.slot)
+            _up(args.count, args.slot, args.release)
         elif args.slot is None:
             teardown_all(rig_id)
             print(f"rig id {rig_id}: nothing of it remains")

@@ -67,11 +67,14 @@ _EXEC_ENV = {
 }
 
 
-def write_root_file(upper: Path, path: str, content: str | bytes, mode: int = 0o644) -> None:
+def write_root_file(
+    upper: Path, path: str, content: str | bytes, mode: int = 0o644, lower_root: Path = Path("/")
+) -> None:
     """Write `path` into a host's overlay upper dir before it is mounted.
 
-    Directories created on the way copy mode and owner from the real `/`: an upper directory's
-    attributes replace the lower one's, and sshd refuses keys under a loosened /root.
+    Directories created on the way copy mode and owner from the lower root (the real `/` or a
+    systemd node's image): an upper directory's attributes replace the lower one's, and sshd
+    refuses keys under a loosened /root.
     """
     target = upper / path.lstrip("/")
     missing = []
@@ -80,7 +83,7 @@ def write_root_file(upper: Path, path: str, content: str | bytes, mode: int = 0o
         missing.append(parent)
         parent = parent.parent
     for directory in reversed(missing):
-        lower = Path("/") / directory.relative_to(upper)
+        lower = lower_root / directory.relative_to(upper)
         directory.mkdir()
         if lower.is_dir():
             st = lower.stat()

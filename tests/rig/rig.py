@@ -9,11 +9,12 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.rig import inventory, network, node, ssh
+from tests.rig import booted, image, inventory, network, node, ssh
 from tests.rig.errors import RigError
 from tests.rig.layout import MAX_HOSTS, Layout, rig_id_from_env, slot_layouts
 from tests.rig.processes import ProcessId, identify, is_running, terminate
@@ -21,7 +22,11 @@ from trainer.rundir import read_json, write_json_atomic
 
 BRING_UP_BASE_S = 30.0  # deadline for `up`; generous: 2 loaded cores bring up 64 hosts in ~6 s
 BRING_UP_PER_HOST_S = 0.5
-STATE_FORMAT = 1
+# systemd nodes boot a whole init: measured ~2 s each on 2 cores (docs/rig.md); generous deadline.
+BOOT_BASE_S = 60.0
+BOOT_PER_HOST_S = 10.0
+HALT_GRACE_S = 20.0  # a halting node stops its units first
+STATE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -29,12 +34,15 @@ class Host:
     name: str
     ip: str
     netns: str
-    holder: ProcessId
+    holder: ProcessId  # namespace holder, or a systemd node's supervisor
+    release: str | None = None  # Debian suite of a systemd node; None: the fast kind (no init)
+    boot_dir: str | None = None  # a systemd node's overlay mount point (in its supervisor's view)
 
     @property
     def root(self) -> Path:
         """The host's root filesystem, seen from the real host (while the rig is up)."""
-        return Path(f"/proc/{self.holder.pid}/root")
+        base = Path(f"/proc/{self.holder.pid}/root")
+        return base / self.boot_dir.lstrip("/") if self.boot_dir else base
 
 
 class ExecError(subprocess.CalledProcessError):
@@ -58,11 +66,35 @@ def check_count(count: object) -> int:
     return count
 
 
-class Rig:
-    """N hosts node1..nodeN; use as a context manager, or `up()` and `down()`."""
+def check_releases(count: int, release: str | Sequence[str] | None) -> list[str | None]:
+    if release is None or isinstance(release, str):
+        releases: list[str | None] = [release] * count
+    else:
+        releases = list(release)
+    if len(releases) != count:
+        raise RigError(f"{len(releases)} releases given for {count} hosts; give one per host")
+    for suite in releases:
+        if suite is not None:
+            image.check_suite(suite)
+    return releases
 
-    def __init__(self, count: int, rig_id: int | None = None, slot: int = 0) -> None:
+
+class Rig:
+    """N hosts node1..nodeN; use as a context manager, or `up()` and `down()`.
+
+    `release=None` (default): the fast kind, namespaces over the real `/` with a bare sshd and no
+    init. `release="bookworm"` / `"trixie"` (or one per host): systemd nodes booted from a Debian
+    image with systemd-nspawn (tests/rig/booted.py)."""
+
+    def __init__(
+        self,
+        count: int,
+        rig_id: int | None = None,
+        slot: int = 0,
+        release: str | Sequence[str] | None = None,
+    ) -> None:
         self.count = check_count(count)
+        self.releases = check_releases(self.count, release)
         self.layout = Layout(rig_id_from_env() if rig_id is None else rig_id, slot)
         self.hosts: list[Host] = []
         self._sshd: dict[str, ProcessId] = {}
@@ -127,8 +159,12 @@ class Rig:
 
     def _bring_up(self) -> None:
         layout = self.layout
+        # Images first: built once per (suite, packages), minutes, so not within the deadline.
+        images = {suite: image.ensure_image(suite) for suite in set(self.releases) if suite}
         started = time.monotonic()
         deadline = started + BRING_UP_BASE_S + BRING_UP_PER_HOST_S * self.count
+        if images:
+            deadline += BOOT_BASE_S + BOOT_PER_HOST_S * self.count
         self.created = time.time()
         hosts = [(layout.host_name(i), layout.host_ip(i)) for i in range(1, self.count + 1)]
         layout.state_dir.mkdir(mode=0o755, parents=True)
@@ -145,24 +181,33 @@ class Rig:
         )
         network.create(layout, self.count)
         known_hosts = self._write_client_files(hosts, host_keys)
-        for name, _ in hosts:
-            self._write_root_files(name, hosts, host_keys[name], known_hosts)
+        for (name, _), suite in zip(hosts, self.releases, strict=True):
+            lower = images[suite].root if suite else Path("/")
+            self._write_root_files(name, hosts, host_keys[name], known_hosts, lower)
 
-        holders = {
-            name: node.start_holder(layout, name, layout.netns(i))
-            for i, (name, _) in enumerate(hosts, start=1)
-        }
-        self._children += holders.values()
-        for i, ((name, ip), proc) in enumerate(zip(hosts, holders.values(), strict=True), 1):
+        holders = {}
+        binds = [(str(layout.shared_dir), False), (str(layout.client_dir), True)]
+        binds += [(str(node.CHECKOUT), True)]  # the code and venv, as on the fast kind
+        if not Path(sys.prefix).is_relative_to(node.CHECKOUT):
+            binds += [(sys.prefix, True)]
+        for i, ((name, ip), suite) in enumerate(zip(hosts, self.releases, strict=True), 1):
+            if suite:
+                proc = booted.start(layout, name, layout.netns(i), images[suite], binds)
+                boot_dir: str | None = str(layout.node_dir(name) / "merged")
+            else:
+                proc = holders[name] = node.start_holder(layout, name, layout.netns(i))
+                boot_dir = None
+            self._children.append(proc)
             holder = identify(proc.pid)
             if holder is None:
                 raise RigError(f"the namespace holder of {name} exited at once")
-            self.hosts.append(Host(name, ip, layout.netns(i), holder))
+            self.hosts.append(Host(name, ip, layout.netns(i), holder, suite, boot_dir))
         self._save_state()
         node.wait_holders_ready(layout, holders, deadline - time.monotonic())
 
         for host in self.hosts:
-            self._start_sshd(host, record=False)
+            if host.release is None:
+                self._start_sshd(host, record=False)
         self._save_state()
         ssh.wait_sshd(
             {h.name: h.ip for h in self.hosts}, deadline - time.monotonic(), self._sshd_failure
@@ -187,31 +232,43 @@ class Rig:
         return known_hosts
 
     def _write_root_files(
-        self, name: str, hosts: list[tuple[str, str]], host_key: Path, known_hosts: str
+        self,
+        name: str,
+        hosts: list[tuple[str, str]],
+        host_key: Path,
+        known_hosts: str,
+        lower: Path,
     ) -> None:
-        """What differs from the real host's files in one host's root, written before mounting."""
+        """What differs from the lower root's files in one host's root, written before mounting.
+        A systemd node keeps its image's own sshd_config (what a bare Debian node has)."""
         upper = self.layout.node_dir(name) / "upper"
         etc_hosts = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
         etc_hosts += "".join(f"{ip} {host}\n" for host, ip in hosts)
         client_pub = Path(f"{self.ssh_key_path}.pub").read_text()
-        write = node.write_root_file
-        write(upper, "/etc/hostname", f"{name}\n")
-        write(upper, "/etc/hosts", etc_hosts)
-        write(upper, "/etc/ssh/sshd_config", ssh.SSHD_CONFIG)
-        write(upper, "/etc/ssh/ssh_host_ed25519_key", host_key.read_bytes(), 0o600)
-        write(upper, "/etc/ssh/ssh_host_ed25519_key.pub", Path(f"{host_key}.pub").read_text())
+
+        def write(path: str, content: str | bytes, mode: int = 0o644) -> None:
+            node.write_root_file(upper, path, content, mode, lower)
+
+        write("/etc/hostname", f"{name}\n")
+        write("/etc/hosts", etc_hosts)
+        if lower == Path("/"):
+            write("/etc/ssh/sshd_config", ssh.SSHD_CONFIG)
+        else:
+            write("/etc/machine-id", f"{uuid.uuid4().hex}\n", 0o444)
+        write("/etc/ssh/ssh_host_ed25519_key", host_key.read_bytes(), 0o600)
+        write("/etc/ssh/ssh_host_ed25519_key.pub", Path(f"{host_key}.pub").read_text())
         # Root's own key and known_hosts: host-to-host ssh by name, as on a real cluster.
-        write(upper, "/root/.ssh/authorized_keys", client_pub, 0o600)
-        write(upper, "/root/.ssh/id_ed25519", self.ssh_key_path.read_bytes(), 0o600)
-        write(upper, "/root/.ssh/id_ed25519.pub", client_pub)
-        write(upper, "/root/.ssh/known_hosts", known_hosts)
-        write(upper, "/root/.ssh/config", ssh.NODE_CLIENT_CONFIG, 0o600)
+        write("/root/.ssh/authorized_keys", client_pub, 0o600)
+        write("/root/.ssh/id_ed25519", self.ssh_key_path.read_bytes(), 0o600)
+        write("/root/.ssh/id_ed25519.pub", client_pub)
+        write("/root/.ssh/known_hosts", known_hosts)
+        write("/root/.ssh/config", ssh.NODE_CLIENT_CONFIG, 0o600)
         # A fresh account's dotfiles, as on a newly installed node: this machine's own ones may
         # initialise pyenv and the like, which costs a second per ssh command and changes PATH.
         for dotfile in (".bashrc", ".profile"):
             skeleton = Path("/etc/skel") / dotfile
-            if skeleton.is_file():
-                write(upper, f"/root/{dotfile}", skeleton.read_bytes())
+            if skeleton.is_file() and lower == Path("/"):
+                write(f"/root/{dotfile}", skeleton.read_bytes())
 
     def _save_state(self) -> None:
         write_json_atomic(
@@ -232,6 +289,8 @@ class Rig:
                         "netns": h.netns,
                         "veth": self.layout.veth(i),
                         "holder": h.holder.to_json(),
+                        "release": h.release,
+                        "boot_dir": h.boot_dir,
                         "sshd": self._sshd[h.name].to_json() if h.name in self._sshd else None,
                         # In the holder's mount namespace only: they go with its last process.
                         "mounts": node.mount_points(h.holder.pid),
@@ -258,9 +317,13 @@ class Rig:
         rig.created = state.get("created")
         for entry in state["hosts"]:
             holder = ProcessId.from_json(entry["holder"])
-            rig.hosts.append(Host(entry["name"], entry["ip"], entry["netns"], holder))
+            release, boot_dir = entry.get("release"), entry.get("boot_dir")
+            rig.hosts.append(
+                Host(entry["name"], entry["ip"], entry["netns"], holder, release, boot_dir)
+            )
             if entry.get("sshd"):
                 rig._sshd[entry["name"]] = ProcessId.from_json(entry["sshd"])
+        rig.releases = [h.release for h in rig.hosts]
         return rig
 
     def processes(self) -> list[ProcessId]:
@@ -289,9 +352,51 @@ class Rig:
         """Run `cmd` inside the host as root (a string goes through /bin/sh -c), without SSH."""
         target = self.host(host)
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        return _run(
-            node.enter_argv(target.holder.pid, argv), check, timeout, input, node.exec_env()
-        )
+        if target.release is None:
+            entered = node.enter_argv(target.holder.pid, argv)
+        else:
+            entered = booted.enter_argv(self._init(target).pid, argv)
+        return _run(entered, check, timeout, input, node.exec_env())
+
+    def _init(self, host: Host) -> ProcessId:
+        init = booted.init_process(host.netns)
+        if init is None:
+            raise RigError(f"{host.name} is not running (no init in {host.netns})")
+        return init
+
+    def reboot(self, host: Host | str, timeout: float = 120) -> None:
+        """`systemctl reboot` inside a systemd node; returns once the new boot has finished
+        starting its units (`systemctl is-system-running --wait`) and sshd answers."""
+        target = self.host(host)
+        if target.release is None:
+            raise RigError(f"{target.name} has no init to reboot; use a systemd node (release=)")
+        before = self._init(target)
+        self.exec(target, "systemctl reboot", check=False, timeout=timeout)
+        self.wait_booted(target, timeout, not_init=before)
+
+    def wait_booted(
+        self, host: Host | str, timeout: float = 120, not_init: ProcessId | None = None
+    ) -> str:
+        """Wait for a systemd node's boot (one other than `not_init`) to finish starting its units
+        and for sshd to answer; returns the system state (`running` or `degraded`)."""
+        target = self.host(host)
+        deadline = time.monotonic() + timeout
+        while (init := booted.init_process(target.netns)) is None or init == not_init:
+            if not is_running(target.holder):
+                raise RigError(f"{target.name} stopped instead of booting; see its console.log")
+            if time.monotonic() > deadline:
+                raise RigError(f"{target.name} did not boot again within {timeout:.0f}s")
+            time.sleep(ssh.POLL_S * 5)
+        left = max(1.0, deadline - time.monotonic())
+        state = self.exec(
+            target, "systemctl is-system-running --wait", check=False, timeout=left
+        ).stdout.strip()
+        ssh.wait_sshd({target.name: target.ip}, max(1.0, deadline - time.monotonic()), _alive)
+        return state
+
+    def memory_bytes(self, host: Host | str) -> int | None:
+        """Memory charged to a systemd node's own cgroup; None for the fast kind."""
+        return booted.memory_bytes(self.layout, self.host(host).name)
 
     def ssh(
         self, host: Host | str, cmd: str | Sequence[str], check: bool = True, timeout: float = 60
@@ -304,6 +409,9 @@ class Rig:
 
     def stop_sshd(self, host: Host | str) -> None:
         target = self.host(host)
+        if target.release is not None:
+            self.exec(target, "systemctl stop ssh.service")
+            return
         sshd = self._sshd.pop(target.name, None)
         if sshd is not None and terminate([sshd]):
             raise RigError(f"sshd on {target.name} (pid {sshd.pid}) did not stop")
@@ -312,6 +420,10 @@ class Rig:
 
     def start_sshd(self, host: Host | str) -> None:
         target = self.host(host)
+        if target.release is not None:
+            self.exec(target, "systemctl start ssh.service")
+            ssh.wait_sshd({target.name: target.ip}, 30.0, _alive)
+            return
         if target.name in self._sshd and is_running(self._sshd[target.name]):
             return
         self._start_sshd(target)
@@ -330,11 +442,21 @@ class Rig:
             self._save_state()
 
     def _sshd_failure(self, name: str) -> str | None:
+        host = self.host(name)
+        if host.release is not None:
+            if is_running(host.holder):
+                return None
+            log = (self.layout.node_dir(name) / "console.log").read_text(errors="replace")
+            return (log.strip().splitlines() or ["no output"])[-1]
         sshd = self._sshd.get(name)
         if sshd is None or is_running(sshd):
             return None
         log = (self.layout.node_dir(name) / "sshd.log").read_text(errors="replace").strip()
         return log.splitlines()[-1] if log else "no output"
+
+
+def _alive(name: str) -> None:
+    return None
 
 
 def _run(
@@ -353,12 +475,22 @@ def teardown(layout: Layout, extra: Sequence[ProcessId] = ()) -> None:
     leftovers of a killed run go too. Touches nothing named for another instance."""
     procs = list(extra)
     state = read_json(layout.state_file) or {}
+    supervisors = []
     for entry in state.get("hosts", []):
+        if entry.get("release"):
+            supervisors.append(ProcessId.from_json(entry["holder"]))
         procs += [ProcessId.from_json(entry[key]) for key in ("holder", "sshd") if entry.get(key)]
-    procs += network.netns_processes(network.list_netns(layout.owns_name))
-    left = terminate(procs)
+    # systemd nodes first, through their supervisors: nspawn halts the node cleanly, whereas
+    # SIGTERM straight to a node's systemd would only make it re-execute itself.
+    left = terminate(supervisors, grace_s=HALT_GRACE_S)
+    nspawns, others = booted.cgroup_processes(layout)  # of nodes whose supervisor was killed
+    left += terminate(nspawns, grace_s=HALT_GRACE_S)
+    procs += others + network.netns_processes(network.list_netns(layout.owns_name))
+    left += terminate(procs)
     if left:
         raise RigError(f"processes {[p.pid for p in left]} of rig {layout.prefix} survived SIGKILL")
+    if cgroups := booted.remove_cgroups(layout):
+        raise RigError(f"could not remove cgroup {cgroups[0]} of rig {layout.prefix}")
     network.delete(layout.owns_name)
     _unmount_under(layout.state_dir)
     shutil.rmtree(layout.state_dir, ignore_errors=True)
@@ -398,6 +530,11 @@ def leftovers(layout: Layout, processes: Sequence[ProcessId] = ()) -> list[str]:
     found += [f"interface {name}" for name in network.list_links(layout.owns_name)]
     found += [f"mount {point}" for point in mounts_under(layout.state_dir)]
     found += [f"process {proc.pid}" for proc in processes if is_running(proc)]
+    found += [
+        f"cgroup {path}"
+        for path in booted.CGROUP_ROOT.glob(f"*/{layout.prefix}-*")
+        if path.is_dir()
+    ]
     if layout.state_dir.exists():
         found.append(f"directory {layout.state_dir}")
     return found
