@@ -4,6 +4,7 @@ recurrent model next to an equal-FLOP plain transformer.
 Runs on this CPU, prints figures, asserts nothing.
 
     .venv/bin/python bench/trainer_throughput.py reference [--compile] [--steps N]
+    .venv/bin/python bench/trainer_throughput.py reference --interleave ROUNDS [--baseline MODEL_PY]
     .venv/bin/python bench/trainer_throughput.py [small] [--threads N] [--steps N] [--batch B]
 
 `reference` is the config a reference implementation is commonly measured at: d=256, 4 heads,
@@ -36,13 +37,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -163,13 +165,84 @@ def reference(steps: int, compile_blocks: bool) -> None:
         )
 
 
+def load_model_class(path: str) -> type[nn.Module]:
+    """RecurrentLM from another copy of trainer/model.py (e.g. `git show REV:trainer/model.py`),
+    built from that file's own ModelConfig."""
+    spec = importlib.util.spec_from_file_location("baseline_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+
+    def build(cfg: ModelConfig) -> nn.Module:
+        return module.RecurrentLM(module.ModelConfig(**asdict(cfg)))
+
+    return build  # type: ignore[return-value]
+
+
+def reference_interleaved(rounds: int, baseline: str | None) -> None:
+    """The reference config, each round measuring the GEMM ceiling and then one step of each
+    model right after it, so load from other processes hits ceiling and steps alike; the best
+    and the median of the per-round shares are reported (and `baseline`, another model.py,
+    runs interleaved with this tree's)."""
+    torch.set_num_threads(2)
+    cfg, batch = REFERENCE, 8
+    tokens = batch * cfg.max_seq_len
+    work = flops_per_token(cfg, cfg.mean_recurrence, cfg.backprop_depth, cfg.max_seq_len).useful
+    work *= tokens
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1))
+    inputs, labels, seeds = ids[:, :-1], ids[:, 1:], list(range(batch))
+    builders: dict[str, Callable[[ModelConfig], nn.Module]] = {"this tree": RecurrentLM}
+    if baseline:
+        builders["baseline"] = load_model_class(baseline)
+    print(
+        f"reference config, interleaved: torch {torch.__version__}, 2 threads, load average "
+        f"{os.getloadavg()[0]:.1f}; {rounds} rounds of (mm 2048³ ceiling, one step per model)"
+    )
+    for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16 autocast")):
+        steps = {}
+        for name, build in builders.items():
+            torch.manual_seed(0)
+            model = build(cfg)
+            steps[name] = make_step(
+                model, lambda m=model: m(inputs, labels, state_seeds=seeds).loss, dtype
+            )
+            steps[name]()  # warm-up
+            steps[name]()
+        shares: dict[str, list[float]] = {name: [] for name in steps}
+        walls: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(rounds):
+            ceiling = measure_gemm_flops(dtype, size=2048, seconds=1.0)
+            for name, step in steps.items():
+                wall, _ = step()
+                walls[name].append(wall)
+                shares[name].append(work / wall / ceiling)
+        print(f"  {label} (target ≥ {REFERENCE_TARGETS[dtype]:.0%} of the ceiling):")
+        for name in steps:
+            best, median = max(shares[name]), statistics.median(shares[name])
+            print(
+                f"    {name:<10} share of ceiling best {best:.1%}, median {median:.1%}; step best "
+                f"{min(walls[name]):.3f} s, median {statistics.median(walls[name]):.3f} s"
+            )
+
+
 def main() -> None:
     if sys.argv[1:2] == ["reference"]:
         parser = argparse.ArgumentParser(description="the reference config")
         parser.add_argument("--steps", type=int, default=6, help="timed steps per dtype")
         parser.add_argument("--compile", action="store_true", help="model.compile=true")
+        parser.add_argument(
+            "--interleave", type=int, metavar="ROUNDS", help="ceiling and step interleaved"
+        )
+        parser.add_argument(
+            "--baseline", metavar="MODEL_PY", help="with --interleave: another model.py too"
+        )
         args = parser.parse_args(sys.argv[2:])
-        reference(args.steps, args.compile)
+        if args.interleave:
+            reference_interleaved(args.interleave, args.baseline)
+        else:
+            reference(args.steps, args.compile)
         return
     if sys.argv[1:2] == ["small"]:
         del sys.argv[1]
