@@ -12,7 +12,10 @@ SwiGLU 704, prelude/core/coda 1/2/1, vocab 8192, seq 256, batch 8, a fixed 2 no-
 core iterations, AdamW, 2 threads. It prints the achieved model FLOP/s (trainer.flops) as a share
 of the GEMM ceiling measured in the same process (torch.mm 2048³), for fp32 and bf16 autocast,
 from the best of N steps (other processes only ever slow a step down), in wall and CPU time.
-Targets (reported, not asserted): ≥ 58 % fp32, ≥ 22 % bf16.
+Targets (reported, not asserted): ≥ 58 % fp32, ≥ 22 % bf16. With `--interleave ROUNDS` it
+measures the ceiling and one step right after it ROUNDS times and reports the best and median
+shares; `--baseline MODEL_PY` (e.g. from `git show REV:trainer/model.py`) runs another model.py
+interleaved with this tree's, for before/after comparisons on a loaded machine.
 
 `small`:
 
@@ -212,18 +215,24 @@ def reference_interleaved(rounds: int, baseline: str | None) -> None:
             steps[name]()
         shares: dict[str, list[float]] = {name: [] for name in steps}
         walls: dict[str, list[float]] = {name: [] for name in steps}
+        ceilings = []
         for _ in range(rounds):
             ceiling = measure_gemm_flops(dtype, size=2048, seconds=1.0)
+            ceilings.append(ceiling)
             for name, step in steps.items():
                 wall, _ = step()
                 walls[name].append(wall)
                 shares[name].append(work / wall / ceiling)
-        print(f"  {label} (target ≥ {REFERENCE_TARGETS[dtype]:.0%} of the ceiling):")
+        print(
+            f"  {label} (target ≥ {REFERENCE_TARGETS[dtype]:.0%} of the ceiling), ceiling best "
+            f"{max(ceilings) / 1e9:.0f}, median {statistics.median(ceilings) / 1e9:.0f} GFLOP/s:"
+        )
         for name in steps:
             best, median = max(shares[name]), statistics.median(shares[name])
             print(
                 f"    {name:<10} share of ceiling best {best:.1%}, median {median:.1%}; step best "
-                f"{min(walls[name]):.3f} s, median {statistics.median(walls[name]):.3f} s"
+                f"{min(walls[name]):.3f} s, median {statistics.median(walls[name]):.3f} s; best "
+                f"step / best ceiling {work / min(walls[name]) / max(ceilings):.1%}"
             )
 
 
