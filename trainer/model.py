@@ -151,9 +151,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     The rotation runs in fp32 whatever x's dtype (positions far into a 4096 context lose their
     angle in bf16); the result has x's dtype. It is one complex multiplication per pair,
     (x₂ᵢ + i·x₂ᵢ₊₁)(cos + i·sin): the same products and sums as the real formula, in one pass
-    over contiguous memory instead of six over strided halves.
+    over contiguous memory instead of six over strided halves (compiled: the real formula).
     """
     shape = (x.shape[1],) + (1,) * (x.dim() - 3) + (x.shape[-1] // 2,)
+    if torch.compiler.is_compiling():  # inductor fuses the real formula; it has no complex codegen
+        cos, sin = cos.view(shape), sin.view(shape)
+        even, odd = _at_least_fp32(x).unflatten(-1, (-1, 2)).unbind(-1)
+        rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+        return rotated.flatten(-2).to(x.dtype)
     pairs = torch.view_as_complex(_at_least_fp32(x).contiguous().unflatten(-1, (-1, 2)))
     rotated = pairs * torch.complex(cos, sin).view(shape)
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)

@@ -270,6 +270,13 @@ def test_complex_rope_equals_the_real_formula_with_gradients(dtype: torch.dtype)
     torch.testing.assert_close(grad.to(torch.float64), grad_ref.to(torch.float64), **tol)
 
 
+def test_compiled_rope_real_formula_equals_the_eager_complex_one() -> None:
+    cos, sin = rope_cache(head_dim=16, seq_len=12, base=10000.0)
+    x = torch.randn(2, 12, 2, 4, 16, generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(apply_rope, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, cos, sin), apply_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
+
+
 def test_qk_bias_add_promotes_without_an_fp32_copy_and_reaches_fp32_bias(model) -> None:
     attn = model.core[0].attn
     with torch.no_grad():
