@@ -4,6 +4,7 @@ recurrent model next to an equal-FLOP plain transformer.
 Runs on this CPU, prints figures, asserts nothing.
 
     .venv/bin/python bench/trainer_throughput.py reference [--compile] [--steps N]
+    .venv/bin/python bench/trainer_throughput.py reference --interleave ROUNDS [--baseline MODEL_PY]
     .venv/bin/python bench/trainer_throughput.py [small] [--threads N] [--steps N] [--batch B]
 
 `reference` is the config a reference implementation is commonly measured at: d=256, 4 heads,
@@ -11,7 +12,10 @@ SwiGLU 704, prelude/core/coda 1/2/1, vocab 8192, seq 256, batch 8, a fixed 2 no-
 core iterations, AdamW, 2 threads. It prints the achieved model FLOP/s (trainer.flops) as a share
 of the GEMM ceiling measured in the same process (torch.mm 2048³), for fp32 and bf16 autocast,
 from the best of N steps (other processes only ever slow a step down), in wall and CPU time.
-Targets (reported, not asserted): ≥ 58 % fp32, ≥ 22 % bf16.
+Targets (reported, not asserted): ≥ 58 % fp32, ≥ 22 % bf16. With `--interleave ROUNDS` it
+measures the ceiling and one step right after it ROUNDS times and reports the best and median
+shares; `--baseline MODEL_PY` (e.g. from `git show REV:trainer/model.py`) runs another model.py
+interleaved with this tree's, for before/after comparisons on a loaded machine.
 
 `small`:
 
@@ -36,13 +40,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -163,13 +168,90 @@ def reference(steps: int, compile_blocks: bool) -> None:
         )
 
 
+def load_model_class(path: str) -> type[nn.Module]:
+    """RecurrentLM from another copy of trainer/model.py (e.g. `git show REV:trainer/model.py`),
+    built from that file's own ModelConfig."""
+    spec = importlib.util.spec_from_file_location("baseline_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+
+    def build(cfg: ModelConfig) -> nn.Module:
+        return module.RecurrentLM(module.ModelConfig(**asdict(cfg)))
+
+    return build  # type: ignore[return-value]
+
+
+def reference_interleaved(rounds: int, baseline: str | None) -> None:
+    """The reference config, each round measuring the GEMM ceiling and then one step of each
+    model right after it, so load from other processes hits ceiling and steps alike; the best
+    and the median of the per-round shares are reported (and `baseline`, another model.py,
+    runs interleaved with this tree's)."""
+    torch.set_num_threads(2)
+    cfg, batch = REFERENCE, 8
+    tokens = batch * cfg.max_seq_len
+    work = flops_per_token(cfg, cfg.mean_recurrence, cfg.backprop_depth, cfg.max_seq_len).useful
+    work *= tokens
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1))
+    inputs, labels, seeds = ids[:, :-1], ids[:, 1:], list(range(batch))
+    builders: dict[str, Callable[[ModelConfig], nn.Module]] = {"this tree": RecurrentLM}
+    if baseline:
+        builders["baseline"] = load_model_class(baseline)
+    print(
+        f"reference config, interleaved: torch {torch.__version__}, 2 threads, load average "
+        f"{os.getloadavg()[0]:.1f}; {rounds} rounds of (mm 2048³ ceiling, one step per model)"
+    )
+    for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16 autocast")):
+        steps = {}
+        for name, build in builders.items():
+            torch.manual_seed(0)
+            model = build(cfg)
+            steps[name] = make_step(
+                model, lambda m=model: m(inputs, labels, state_seeds=seeds).loss, dtype
+            )
+            steps[name]()  # warm-up
+            steps[name]()
+        shares: dict[str, list[float]] = {name: [] for name in steps}
+        walls: dict[str, list[float]] = {name: [] for name in steps}
+        ceilings = []
+        for _ in range(rounds):
+            ceiling = measure_gemm_flops(dtype, size=2048, seconds=1.0)
+            ceilings.append(ceiling)
+            for name, step in steps.items():
+                wall, _ = step()
+                walls[name].append(wall)
+                shares[name].append(work / wall / ceiling)
+        print(
+            f"  {label} (target ≥ {REFERENCE_TARGETS[dtype]:.0%} of the ceiling), ceiling best "
+            f"{max(ceilings) / 1e9:.0f}, median {statistics.median(ceilings) / 1e9:.0f} GFLOP/s:"
+        )
+        for name in steps:
+            best, median = max(shares[name]), statistics.median(shares[name])
+            print(
+                f"    {name:<10} share of ceiling best {best:.1%}, median {median:.1%}; step best "
+                f"{min(walls[name]):.3f} s, median {statistics.median(walls[name]):.3f} s; best "
+                f"step / best ceiling {work / min(walls[name]) / max(ceilings):.1%}"
+            )
+
+
 def main() -> None:
     if sys.argv[1:2] == ["reference"]:
         parser = argparse.ArgumentParser(description="the reference config")
         parser.add_argument("--steps", type=int, default=6, help="timed steps per dtype")
         parser.add_argument("--compile", action="store_true", help="model.compile=true")
+        parser.add_argument(
+            "--interleave", type=int, metavar="ROUNDS", help="ceiling and step interleaved"
+        )
+        parser.add_argument(
+            "--baseline", metavar="MODEL_PY", help="with --interleave: another model.py too"
+        )
         args = parser.parse_args(sys.argv[2:])
-        reference(args.steps, args.compile)
+        if args.interleave:
+            reference_interleaved(args.interleave, args.baseline)
+        else:
+            reference(args.steps, args.compile)
         return
     if sys.argv[1:2] == ["small"]:
         del sys.argv[1]

@@ -199,13 +199,17 @@ def test_meta_model_materialises_with_init_weights() -> None:
     torch.testing.assert_close(model.rope_cos, reference.rope_cos)
 
 
+@pytest.mark.parametrize("ignored", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_linear_cross_entropy_equals_the_plain_one(dtype: torch.dtype) -> None:
+def test_chunked_linear_cross_entropy_equals_the_plain_one(
+    dtype: torch.dtype, ignored: bool
+) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 37, 16, generator=gen).to(dtype).requires_grad_()
     weight = torch.randn(50, 16, generator=gen, requires_grad=True)
     labels = torch.randint(0, 50, (2, 37), generator=gen)
-    labels[0, :5] = -100  # ignored positions
+    if ignored:
+        labels[0, :5] = -100  # ignored positions
     loss = linear_cross_entropy(x, weight, labels, chunk=8)  # 10 chunks, the last one short
     (loss * 3).backward()
     x_ref = x.detach().clone().requires_grad_()
@@ -238,6 +242,86 @@ def test_rope_rotates_interleaved_pairs_in_fp32() -> None:
     # bf16 input: rotated in fp32, rounded once at the end
     y = torch.randn(2, 3, 4).to(torch.bfloat16)
     assert torch.equal(apply_rope(y, cos, sin), apply_rope(y.float(), cos, sin).to(torch.bfloat16))
+
+
+def rope_by_real_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation as the paper writes it, on the even and odd halves (the old implementation)."""
+    shape = (x.shape[1],) + (1,) * (x.dim() - 3) + (x.shape[-1] // 2,)
+    cos, sin = cos.view(shape).to(torch.float64), sin.view(shape).to(torch.float64)
+    even, odd = x.to(torch.float64).unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_complex_rope_equals_the_real_formula_with_gradients(dtype: torch.dtype) -> None:
+    cos, sin = rope_cache(head_dim=16, seq_len=12, base=10000.0)
+    gen = torch.Generator().manual_seed(0)
+    # (B, T, 2, heads, head_dim) sliced like q, k out of qkv: not contiguous
+    qkv = torch.randn(2, 12, 3, 4, 16, generator=gen, dtype=dtype, requires_grad=True)
+    x = qkv[:, :, :2]
+    out = apply_rope(x, cos, sin)
+    ref = rope_by_real_formula(x, cos, sin)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 0}
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.to(torch.float64), ref, **tol)
+    g = torch.randn(out.shape, generator=gen, dtype=dtype)
+    (grad,) = torch.autograd.grad(out, qkv, g)
+    (grad_ref,) = torch.autograd.grad(ref, qkv, g.to(torch.float64))
+    torch.testing.assert_close(grad.to(torch.float64), grad_ref.to(torch.float64), **tol)
+
+
+def test_compiled_rope_real_formula_equals_the_eager_complex_one() -> None:
+    cos, sin = rope_cache(head_dim=16, seq_len=12, base=10000.0)
+    x = torch.randn(2, 12, 2, 4, 16, generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(apply_rope, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, cos, sin), apply_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
+
+
+def test_qk_bias_add_promotes_without_an_fp32_copy_and_reaches_fp32_bias(model) -> None:
+    attn = model.core[0].attn
+    with torch.no_grad():
+        attn.qk_bias.normal_()
+    x = torch.randn(2, 8, TINY.d_model, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.rope_cos[:8], model.rope_sin[:8]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        qkv = attn.qkv(x).view(2, 8, 3, attn.n_heads, attn.head_dim)
+    promoted = qkv[:, :, :2] + attn.qk_bias.transpose(0, 1)
+    assert promoted.dtype == torch.float32
+    assert torch.equal(promoted, qkv[:, :, :2].float() + attn.qk_bias.transpose(0, 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attn(x, cos, sin).float().square().sum().backward()
+    assert attn.qk_bias.grad.dtype == torch.float32 and attn.qk_bias.grad.abs().sum() > 0
+    assert attn.qkv.weight.grad.dtype == torch.float32
+
+
+def test_bf16_autocast_casts_each_weight_once_per_step_however_deep(model: RecurrentLM) -> None:
+    """Autocast caches the bf16 copy of a leaf fp32 weight for the whole forward, no-grad
+    iterations included, so looping the core r times does not repeat the weight casts."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    weights = {id(p) for p in model.parameters() if p.dim() == 2}
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+
+    class CountWeightCasts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes:
+                self.count += (
+                    kwargs.get("dtype") == torch.bfloat16 and args[0].dtype == torch.float32
+                )
+            return func(*args, **kwargs)
+
+    ids = batch()
+    counts = []
+    for num_steps in (1, 6):
+        with torch.autocast("cpu", dtype=torch.bfloat16), CountWeightCasts() as mode:
+            model(ids, labels=ids, num_steps=num_steps, backprop_depth=1)
+        counts.append(mode.count)
+    assert 0 < counts[0] == counts[1] <= len(weights)
 
 
 def test_qk_bias_starts_at_zero_and_shifts_attention(model: RecurrentLM) -> None:
