@@ -103,6 +103,9 @@ def test_fp16_overflow_is_skipped_and_counted_on_both_ranks(
     assert scales[1] == scales[0] / 2, scales  # the overflowing step lowered the scale
     assert scales[2] == scales[1], scales  # and the next one went through
     state = torch.load(run.checkpoint_path(3) / "trainer_state.pt", weights_only=False)
-    assert state["progress"]["skipped_steps"] == 1
+    # GradScaler starts at 2**16, where the first step may overflow by itself: every step whose
+    # scale dropped was skipped and counted, the injected one included.
+    drops = sum(cur < prev for prev, cur in zip([2.0**16, *scales], scales, strict=False))
+    assert state["progress"]["skipped_steps"] == drops >= 1
     assert state["progress"]["nonfinite_steps"] == 0  # a skipped step is not a non-finite one
     assert run.read_status()["state"] == "done"
