@@ -1,8 +1,8 @@
 """The pre-launch gate: fast checks on every host in ONE round trip each, judged on the controller.
 
 Each host runs `rlmctl/hostcheck.py` (shipped inside the command line) which checks disk, the
-shared filesystem, memory, load, GPUs, XIDs, the rendezvous port and the Python environment in
-parallel. The controller adds what only a fleet-wide view can judge: reachability, clock skew
+shared filesystem, memory, load, GPUs, XIDs, the GPU topology (links and NIC affinity), the
+rendezvous port and the Python environment in parallel. The controller adds what only a fleet-wide view can judge: reachability, clock skew
 against the controller, and that every host runs the same environment. States follow Nagios;
 the worst one wins with OK < UNKNOWN < WARN < CRIT (monitoring-plugins' max_state_alt).
 """
@@ -171,6 +171,7 @@ def host_command(host: Host, token: str, with_port: bool = True) -> str:
         "token": token,
         "gpus": host.gpus_per_node,
         "vendor": host.gpu_vendor,
+        "gpu_link": host.gpu_link,
         "python": host.python,
         "rdzv_port": host.rdzv_port if with_port else 0,
         "thresholds": THRESHOLDS,

@@ -21,6 +21,7 @@ import time
 
 from clusterspec import vendors
 from clusterspec.vendors.readings import ToolError
+from clusterspec.vendors.topology import judge as topology_judge
 
 OK, WARN, CRIT, UNKNOWN = "OK", "WARN", "CRIT", "UNKNOWN"
 
@@ -182,25 +183,53 @@ def host_vendor(cfg):
     return vendors.detect_vendor() if cfg["vendor"] == "auto" else cfg["vendor"]
 
 
-def check_gpu(cfg):
-    vendor = host_vendor(cfg)
-    if vendor == "none":
-        return check("gpu", OK, "skipped (rlm_gpu_vendor=" + cfg["vendor"] + ", no GPU tool)")
+def read_gpus(vendor):
+    """(GpuReadings, None) from the vendor's tool, or (None, (state, detail)) when it fails."""
     description = vendors.VENDORS[vendor]
     tool = vendors.vendor_tool(vendor)
     rc, out = run_tool(list(description.TOOLS[tool]))
     if rc is None or rc != 0:
-        return check(
-            "gpu",
-            CRIT,
-            "GPU tool failed: " + (out.strip().splitlines() or [f"exit {rc}"])[-1],
-            f"install/repair the {vendor} driver (ansible-playbook playbooks/site.yml)",
-        )
+        return None, (CRIT, "GPU tool failed: " + (out.strip().splitlines() or [f"exit {rc}"])[-1])
     try:
-        parsed = description.PARSERS[tool](out)
+        return description.PARSERS[tool](out).gpus, None
     except ToolError as error:
-        return check("gpu", UNKNOWN, f"cannot parse {tool} output: {error}")
-    return judge_gpus(parsed.gpus, cfg["gpus"], cfg["thresholds"])
+        return None, (UNKNOWN, f"cannot parse {tool} output: {error}")
+
+
+def check_gpu(cfg):
+    vendor = host_vendor(cfg)
+    if vendor == "none":
+        return check("gpu", OK, "skipped (rlm_gpu_vendor=" + cfg["vendor"] + ", no GPU tool)")
+    gpus, failure = read_gpus(vendor)
+    if failure:
+        fix = f"install/repair the {vendor} driver (ansible-playbook playbooks/site.yml)"
+        return check("gpu", failure[0], failure[1], fix if failure[0] == CRIT else "")
+    return judge_gpus(gpus, cfg["gpus"], cfg["thresholds"])
+
+
+def check_topology(cfg):
+    """GPU x GPU links and GPU-NIC paths against the expected link (rlm_gpu_link, else the
+    SKU's in the vendor description)."""
+    vendor = host_vendor(cfg)
+    if vendor == "none":
+        return check("topology", OK, "skipped (no GPU)")
+    layout = vendors.VENDORS[vendor].TOPOLOGY
+    rc, out = run_tool(list(layout.COMMAND))
+    if rc != 0:
+        why = (out or "").strip().splitlines() or [f"exit {rc}"]
+        return check("topology", UNKNOWN, " ".join(layout.COMMAND) + " failed: " + why[-1])
+    try:
+        topology = layout.parse(out)
+    except ToolError as error:
+        return check("topology", UNKNOWN, str(error))
+    expected, sku = cfg.get("gpu_link"), "rlm_gpu_link"
+    if not expected:
+        gpus, _ = read_gpus(vendor)
+        name = next((g.name for g in gpus or [] if g.name), None)
+        expected, sku = vendors.expected_gpu_link(vendor, name or "")
+        sku = sku or name
+    state, detail, fix = topology_judge(topology, expected, sku)
+    return check("topology", state, detail, fix)
 
 
 def check_gpu_xid(cfg):
@@ -271,6 +300,7 @@ CHECKS = (
     ("load", check_load),
     ("gpu", check_gpu),
     ("gpu_xid", check_gpu_xid),
+    ("topology", check_topology),
     ("rdzv_port", check_rdzv_port),
     ("python_env", probe_env),
 )

@@ -47,6 +47,7 @@ class Host:
     interpreter: str = "python3"  # ansible_python_interpreter: runs rlmctl's stdlib-only scripts
     busbw_floor_gbps: float | None = None  # rlm_comm_busbw_floor_gbps; 0 = report, don't gate
     exporter_port: int = default("rlm_exporter_port")
+    gpu_link: str | None = None  # rlm_gpu_link: expected GPU-to-GPU link; None = the SKU's
 
     @property
     def is_local(self) -> bool:
@@ -291,6 +292,7 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
         interpreter=interpreter,
         busbw_floor_gbps=float(floor) if floor is not None else None,
         exporter_port=integer("rlm_exporter_port"),
+        gpu_link=str(var("rlm_gpu_link")) if var("rlm_gpu_link") else None,
     )
 
 

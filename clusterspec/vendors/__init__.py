@@ -2,7 +2,8 @@
 
 A vendor module defines NAME, TOOLS (tool -> command, in detection order), PARSERS (tool -> the
 one parser of its output, returning readings.ParseResult), KERNEL_LOG, xid_events/judge_xids,
-PEAK_BF16_FLOPS and BUSBW_FLOORS_GBPS per SKU, TORCH_DEVICE and DIST_BACKEND. The health gate
+PEAK_BF16_FLOPS and BUSBW_FLOORS_GBPS per SKU, TOPOLOGY (the topology command, parser and
+expected GPU link per SKU), TORCH_DEVICE and DIST_BACKEND. The health gate
 (rlmctl/hostcheck.py, shipped to hosts with this package), `rlmctl health --deep`, the exporter
 (monitoring/gpu.py) and the trainer's MFU (trainer/flops.py) read only these. Adding a vendor:
 docs/architecture.md, "A new GPU vendor".
@@ -61,3 +62,10 @@ def peak_bf16_flops(device_name: str) -> tuple[float | None, str | None]:
 
 def busbw_floor_gbps(device_name: str) -> float | None:
     return _lookup("BUSBW_FLOORS_GBPS", device_name)[0]
+
+
+def expected_gpu_link(vendor: str, device_name: str) -> tuple[str | None, str | None]:
+    """(link every GPU pair must have, matched SKU) for `vendor`'s device name; (None, None)
+    for a SKU the vendor description does not know."""
+    value, key = by_sku(VENDORS[vendor].TOPOLOGY.GPU_LINKS, device_name)
+    return value, key

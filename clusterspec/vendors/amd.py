@@ -12,6 +12,7 @@ import json
 import re
 from typing import Any
 
+from clusterspec.vendors import amd_topology
 from clusterspec.vendors.readings import (
     MIB,
     GpuReading,
@@ -27,6 +28,8 @@ TORCH_DEVICE = "cuda"
 DIST_BACKEND = "nccl"
 # The vendor's own exporter (gpu_exporter role): Prometheus job name and port (file_sd).
 EXPORTER_JOB = ("amd-device-metrics", 5000)
+# GPU topology: its command, parser and expected GPU-to-GPU link per SKU (amd_topology.py).
+TOPOLOGY = amd_topology
 BANDWIDTH_TEST = "all_reduce_perf"  # rccl-tests
 
 AMD_SMI = ("amd-smi", "metric", "--json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import re
 
+from clusterspec.vendors import nvidia_topology
 from clusterspec.vendors.readings import (
     MIB,
     GpuReading,
@@ -25,6 +26,8 @@ TORCH_DEVICE = "cuda"
 DIST_BACKEND = "nccl"
 # The vendor's own exporter (gpu_exporter role): Prometheus job name and port (file_sd).
 EXPORTER_JOB = ("dcgm", 9400)
+# GPU topology: its command, parser and expected GPU-to-GPU link per SKU (nvidia_topology.py).
+TOPOLOGY = nvidia_topology
 BANDWIDTH_TEST = "all_reduce_perf"  # nccl-tests
 
 # nvidia-smi --query-gpu fields, in the order the CSV columns come back.

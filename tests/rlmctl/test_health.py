@@ -132,6 +132,7 @@ def test_a_crashing_check_keeps_its_name_and_place(tmp_path: Path) -> None:
         "load",
         "gpu",
         "gpu_xid",
+        "topology",
         "python_env",
     ]
     assert checks[5]["state"] == UNKNOWN and "KeyError" in checks[5]["detail"]

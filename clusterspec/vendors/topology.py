@@ -1,0 +1,116 @@
+"""A node's GPU topology and its verdict (stdlib only, Python 3.8): shared by every vendor.
+
+Each vendor's topology module (nvidia_topology, amd_topology: the command, its parser and the
+expected GPU-to-GPU link per SKU) turns its tool's output into a Topology: the link between
+every GPU pair as the tool names it, and the PCIe path from each GPU to each NIC where the tool
+reports NICs. `judge` compares it with the expected link: a pair below it is CRIT (an NVLink or
+xGMI link down silently sends the traffic over PCIe and the CPU interconnect), a GPU whose
+nearest NIC is across the CPU socket is WARN (GPUDirect RDMA then crosses the SMP link).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# nvidia-smi's PCIe path classes, nearest first; SYS crosses the SMP interconnect (QPI/UPI/xGMI
+# between sockets), i.e. the device is on the far socket.
+PCIE_PATHS = ("PIX", "PXB", "PHB", "NODE", "SYS")
+FAR_SOCKET = "SYS"
+# An expected link that judges nothing (PCIe-only SKUs, or a site that opts out).
+ANY = "any"
+
+
+@dataclass
+class Topology:
+    gpus: list[str]  # GPU indices as the tool numbers them
+    links: dict[tuple[str, str], str]  # (a, b) with a before b -> link as printed: NV18, SYS, XGMI
+    nic_paths: dict[str, dict[str, str]] = field(default_factory=dict)  # NIC -> GPU -> path
+    numa: dict[str, str] = field(default_factory=dict)  # GPU -> NUMA node, where printed
+
+    def as_dict(self) -> dict:
+        return {
+            "gpus": self.gpus,
+            "links": {f"{a}-{b}": link for (a, b), link in sorted(self.links.items())},
+            "nic_paths": self.nic_paths,
+            "numa": self.numa,
+        }
+
+
+def link_meets(seen: str, expected: str) -> bool:
+    """Whether a link as printed (NV18, NV6, SYS, XGMI, PCIE) is at least the expected one:
+    NV<n> needs an NVLink bond of n or more links, NV any NVLink, anything else that exact type."""
+    if expected.lower() == ANY:
+        return True
+    wanted = re.fullmatch(r"NV(\d*)", expected.upper())
+    if wanted:
+        bond = re.fullmatch(r"NV(\d+)", seen.upper())
+        return bool(bond) and int(bond.group(1)) >= int(wanted.group(1) or 1)
+    return seen.upper() == expected.upper()
+
+
+def degraded_pairs(topology: Topology, expected: str) -> list[str]:
+    """'GPU2-GPU5 SYS' for every pair whose link is below `expected`."""
+    return [
+        f"GPU{a}-GPU{b} {link}"
+        for (a, b), link in sorted(topology.links.items(), key=lambda item: _order(item[0]))
+        if not link_meets(link, expected)
+    ]
+
+
+def far_nics(topology: Topology) -> list[str]:
+    """'GPU0: nearest NIC mlx5_0 is SYS' for every GPU whose every NIC is on the far socket."""
+    if not topology.nic_paths:
+        return []
+    out = []
+    for gpu in topology.gpus:
+        paths = {nic: by_gpu[gpu] for nic, by_gpu in topology.nic_paths.items() if gpu in by_gpu}
+        if not paths:
+            continue
+        nic, path = min(paths.items(), key=lambda item: _path_rank(item[1]))
+        if path == FAR_SOCKET:
+            out.append(f"GPU{gpu}: nearest NIC {nic} is {path}")
+    return out
+
+
+def judge(topology: Topology, expected: str | None, sku: str | None) -> tuple[str, str, str]:
+    """(state, detail, fix): CRIT on a link below `expected` (pairs named), WARN on NICs across
+    the socket, UNKNOWN when no expected link is known for the SKU."""
+    count = len(topology.gpus)
+    degraded = degraded_pairs(topology, expected) if expected else []
+    far = far_nics(topology)
+    nics = f", {len(topology.nic_paths)} NICs" if topology.nic_paths else ""
+    if degraded:
+        shown = "; ".join(degraded[:6]) + (
+            f" (+{len(degraded) - 6} more)" if len(degraded) > 6 else ""
+        )
+        return (
+            "CRIT",
+            f"{len(degraded)} of {len(topology.links)} GPU pairs below {expected}: {shown}",
+            "a GPU link is down (traffic falls back to PCIe/SMP): reseat/check NVLink or xGMI "
+            "and the fabric manager; drain the host meanwhile",
+        )
+    if far:
+        return (
+            "WARN",
+            f"{count} GPUs{nics}; NIC on the far socket: " + "; ".join(far[:4]),
+            "move the NIC or GPU to the same socket/PCIe switch, or pin NCCL_IB_HCA per rank",
+        )
+    if not expected:
+        return (
+            "UNKNOWN",
+            f"{count} GPUs{nics}; links not judged: no expected layout for {sku or 'this GPU'}",
+            "set rlm_gpu_link for this inventory group (e.g. NV18, XGMI, or any)",
+        )
+    links = f"every pair {expected}" if expected.lower() != ANY else "links not gated (any)"
+    return "OK", f"{count} GPUs{nics}, {links}", ""
+
+
+def _order(pair: tuple[str, str]) -> tuple[int, int]:
+    return tuple(int(x) if x.isdigit() else 0 for x in pair)  # type: ignore[return-value]
+
+
+def _path_rank(path: str) -> int:
+    if re.fullmatch(r"NV\d+", path):
+        return -1
+    return PCIE_PATHS.index(path) if path in PCIE_PATHS else len(PCIE_PATHS)
