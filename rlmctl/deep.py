@@ -6,6 +6,10 @@
    GPUs at one large size (16 GiB, the size the floors are published for) and its bus bandwidth
    is judged against the inventory's `rlm_comm_busbw_floor_gbps` (0: report only) or, when that
    is not set, the published floor of its GPU model (clusterspec.vendors BUSBW_FLOORS_GBPS).
+3. Both run with NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET: the transport of every channel and
+   the NICs NCCL chose are read from the log (clusterspec.transport) and judged against the
+   inventory's rlm_fabric / rlm_gpudirect; a mismatch (e.g. a silent fall-back to NET/Socket)
+   fails the gate with the host pair and the transport seen.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from clusterspec import vendors
+from clusterspec import transport, vendors
 from rlmctl.inventory import Host
 from rlmctl.remote import Fleet, with_env
 
@@ -30,6 +34,7 @@ class DeepResult:
     allreduce: dict[str, Any] | None
     problems: list[str] = field(default_factory=list)
     per_host_busbw: dict[str, float] = field(default_factory=dict)
+    comm_path: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> CommPath.as_dict
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -37,6 +42,7 @@ class DeepResult:
             "allreduce": self.allreduce,
             "problems": self.problems,
             "all_reduce_perf_busbw_gbps": self.per_host_busbw,
+            "comm_path": self.comm_path,
         }
 
     def summary(self) -> str:
@@ -47,6 +53,7 @@ class DeepResult:
                 f"deep: all-reduce over {a['world']} ranks ({a['backend']}): "
                 f"{a['busbw_gbps']:.2f} GB/s busbw, {'correct' if a['correct'] else 'WRONG RESULT'}"
             )
+        lines += [f"deep: {host}: transport {p['summary']}" for host, p in self.comm_path.items()]
         lines += [
             f"deep: {host}: all_reduce_perf {bw:.1f} GB/s"
             for host, bw in self.per_host_busbw.items()
@@ -111,7 +118,23 @@ def _probe_command(host: Host, hosts: list[Host], rdzv_id: str) -> str:
         f"--rdzv-endpoint={first.address}:{first.rdzv_port}", f"--rdzv-id={rdzv_id}",
         "--max-restarts=0", "-m", "rlmctl.allreduce",
     ]  # fmt: skip
-    return with_env(shlex.join(argv) + " 2>&1", host.comm_env)
+    return with_env(shlex.join(argv) + " 2>&1", debug_env(host))
+
+
+def debug_env(host: Host) -> dict[str, str]:
+    """The host's comm environment with NCCL's transport logging on (its own settings win)."""
+    return {**transport.DEBUG_ENV, **host.comm_env}
+
+
+def judge_comm_path(host: Host, log: str, result: DeepResult) -> None:
+    """Record the transport `host`'s ranks logged; a mismatch with rlm_fabric is a problem."""
+    path = transport.parse(log)
+    if not path.channels and not path.ib_nics and not path.socket_ifs:
+        return  # gloo (CPU hosts) or a tool that printed no NCCL lines
+    result.comm_path[host.name] = path.as_dict()
+    result.problems += [
+        f"{host.name}: {p}" for p in transport.judge(path, host.fabric, host.gpudirect)
+    ]
 
 
 def run(fleet: Fleet, hosts: list[Host]) -> DeepResult:
@@ -128,6 +151,8 @@ def run(fleet: Fleet, hosts: list[Host]) -> DeepResult:
         for line in outcome.stdout.splitlines():
             if line.startswith("RLMCTL-ALLREDUCE "):
                 result.allreduce = json.loads(line.split(" ", 1)[1])
+        host = next(h for h in hosts if h.name == outcome.host)
+        judge_comm_path(host, outcome.stdout, result)
     if result.allreduce and not result.allreduce["correct"]:
         result.problems.append("all-reduce returned a wrong sum: a rank computes garbage")
     gpu_hosts = [h for h in hosts if h.gpu_vendor != "none"]  # auto: the command detects it
@@ -143,7 +168,7 @@ def _all_reduce_perf(fleet: Fleet, hosts: list[Host], result: DeepResult) -> Non
             "{ nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || "
             "rocm-smi --showproductname 2>/dev/null | grep -o 'MI[0-9A-Z]*'; } | head -n 1"
         )
-        perf = f"all_reduce_perf -b 16G -e 16G -g {host.gpus_per_node}"
+        perf = with_env(f"all_reduce_perf -b 16G -e 16G -g {host.gpus_per_node}", debug_env(host))
         return f'command -v all_reduce_perf >/dev/null || exit 99; echo "GPU: $({name})"; {perf}'
 
     for host, outcome in zip(

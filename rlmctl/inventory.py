@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clusterspec import transport
 from clusterspec.variables import default, variables
 from rlmctl.errors import InventoryError
 
@@ -48,6 +49,8 @@ class Host:
     busbw_floor_gbps: float | None = None  # rlm_comm_busbw_floor_gbps; 0 = report, don't gate
     exporter_port: int = default("rlm_exporter_port")
     gpu_link: str | None = None  # rlm_gpu_link: expected GPU-to-GPU link; None = the SKU's
+    fabric: str | None = None  # rlm_fabric: ib, roce, socket; None = transport not judged
+    gpudirect: bool | None = None  # rlm_gpudirect
 
     @property
     def is_local(self) -> bool:
@@ -83,6 +86,8 @@ class Host:
             "venv": self.venv,
             "rdzv_port": self.rdzv_port,
             "comm_env": self.comm_env,
+            "fabric": self.fabric,
+            "gpudirect": self.gpudirect,
         }
 
 
@@ -269,6 +274,16 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
             f"got {vendor!r}; fix it in {source}"
         )
     floor = var("rlm_comm_busbw_floor_gbps")
+    fabric = var("rlm_fabric")
+    if fabric is not None and str(fabric) not in transport.FABRICS:
+        raise InventoryError(
+            f"host {host.name}: rlm_fabric must be one of {', '.join(transport.FABRICS)} or null, "
+            f"got {fabric!r}; fix it in {source}"
+        )
+    gpudirect = var("rlm_gpudirect")
+    # RoCE/IB knobs become NCCL variables; an explicit rlm_comm_env entry wins.
+    fabric_env = transport.fabric_env({name: var(name) for name in transport.FABRIC_ENV})
+    comm_env = {**fabric_env, **comm_env}
     connection = str(var("ansible_connection", "ssh")).split(".")[-1]
     # The one exception the spec documents: a local host without rlm_venv uses this interpreter.
     venv = None if connection == "local" and "rlm_venv" not in hostvars else var("rlm_venv")
@@ -293,6 +308,8 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
         busbw_floor_gbps=float(floor) if floor is not None else None,
         exporter_port=integer("rlm_exporter_port"),
         gpu_link=str(var("rlm_gpu_link")) if var("rlm_gpu_link") else None,
+        fabric=str(fabric) if fabric is not None else None,
+        gpudirect=None if gpudirect is None else str(gpudirect).lower() in ("true", "yes", "1"),
     )
 
 

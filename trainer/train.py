@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import trainer
-from trainer import distributed, parallel
+from trainer import comm_path, distributed, parallel
 from trainer.checkpoint import CheckpointManager, CheckpointStore, Ranks
 from trainer.components import DataCursor, Progress, StepHealth, TrainState
 from trainer.config import Config, check_world_size, dump_yaml, to_dict
@@ -182,6 +182,7 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
     train_ds, val_ds = open_data(cfg)
     set_deterministic(cfg)
 
+    nccl_log = comm_path.capture(cfg.run_dir) if cuda else None
     env = distributed.init(cfg.comm, cfg.train.device)
     setup_logging(env.rank)
     run_dir = RunDir(cfg.run_dir)
@@ -201,6 +202,12 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
         summary = distributed.startup_check(env, cfg.comm)
         if summary:
             log.info("%s", summary)
+        path = comm_path.describe(nccl_log)
+        if path and env.is_main:
+            log.info("comm path: %s", path["summary"])
+            run_dir.append_event(
+                "comm_path", transports=path["transports"], summary=path["summary"]
+            )
         run = Run.build(cfg, env, train_ds, hooks)
         exit_code, state = _loop(run, cfg, env, run_dir, reporter, signals, val_ds, accum_steps)
     except UserError as exc:
