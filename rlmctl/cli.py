@@ -132,16 +132,37 @@ def health(
             from rlmctl import deep as deep_checks
 
             deep_result = deep_checks.run(fleet, [h for h in hosts if h.name in report.healthy])
+    result = report.as_dict() | ({"deep": deep_result.as_dict()} if deep_result else {})
+    health_checks.save_last_report(result, hosts[0].shared_dir)  # for `rlmctl accept`
     if json_output:
-        render.emit_json(
-            report.as_dict() | ({"deep": deep_result.as_dict()} if deep_result else {})
-        )
+        render.emit_json(result)
     else:
         render.health(report)
         if deep_result:
             render.line(deep_result.summary())
     critical = report.state == "CRIT" or (deep_result is not None and not deep_result.ok)
     raise typer.Exit(1 if critical else 0)
+
+
+@app.command()
+def accept(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
+    """The go-live verdict of a run: every criterion with threshold, measured value, PASS/FAIL/
+    NO DATA/N/A and source; writes <run_dir>/acceptance.md with plots. Exit 1 when one FAILs."""
+    from rlmctl import accept as acceptance
+    from trainer.rundir import RunDir
+
+    session = _session(ctx)
+    host = session.hosts()[0]
+    with session.registry(readonly=True) as registry:
+        run_dir = RunDir(registry.run(run)["run_dir"])
+    verdict = acceptance.run(
+        run, run_dir, host.prometheus_url, host.accept_thresholds, host.shared_dir
+    )
+    if json_output:
+        render.emit_json(verdict)
+    else:
+        render.acceptance(verdict)
+    raise typer.Exit(0 if verdict.accepted else 1)
 
 
 # launch / status / logs / stop ----------------------------------------------------------------------

@@ -267,3 +267,31 @@ def run_checks(fleet: Fleet, hosts: list[Host] | None = None, with_port: bool = 
     report = Report([judge_result(r, sent[r.host], received[r.host]) for r in results])
     judge_env(report.hosts)
     return report
+
+
+# The newest `rlmctl health` report (with --deep: the communication path), for `rlmctl accept`.
+LAST_REPORT = "health-last.json"
+
+
+def last_report_path(shared_dir: str) -> Path:
+    return Path(shared_dir) / MARKER_DIR / LAST_REPORT
+
+
+def save_last_report(report: dict[str, Any], shared_dir: str) -> None:
+    """Best effort: a health run must not fail because its record could not be kept."""
+    path = last_report_path(shared_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"time": time.time(), **report}), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def read_last_report(shared_dir: str) -> dict[str, Any] | None:
+    try:
+        report = json.loads(last_report_path(shared_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None

@@ -51,6 +51,8 @@ class Host:
     gpu_link: str | None = None  # rlm_gpu_link: expected GPU-to-GPU link; None = the SKU's
     fabric: str | None = None  # rlm_fabric: ib, roce, socket; None = transport not judged
     gpudirect: bool | None = None  # rlm_gpudirect
+    prometheus_url: str | None = None  # rlm_prometheus_url
+    accept_thresholds: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def is_local(self) -> bool:
@@ -309,6 +311,8 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
         exporter_port=integer("rlm_exporter_port"),
         gpu_link=str(var("rlm_gpu_link")) if var("rlm_gpu_link") else None,
         fabric=str(fabric) if fabric is not None else None,
+        prometheus_url=str(var("rlm_prometheus_url")) if var("rlm_prometheus_url") else None,
+        accept_thresholds=var("rlm_accept_thresholds"),
         gpudirect=None if gpudirect is None else str(gpudirect).lower() in ("true", "yes", "1"),
     )
 

@@ -101,6 +101,26 @@ def health(report: Any) -> None:
                 line(f"{host.host}: {check.name} {check.state}: {check.detail}{fix}")
 
 
+VERDICT_STYLE = {"PASS": "green", "FAIL": "bold red", "NO DATA": "magenta", "N/A": "dim"}
+
+
+def acceptance(verdict: Any) -> None:
+    """The go-live table, then the verdict and what was not checked."""
+    table = _table(
+        f"go-live acceptance of {verdict.run}",
+        ("criterion", "threshold", "measured", "verdict", "source", "note"),
+    )
+    for c in verdict.criteria:
+        style = VERDICT_STYLE[c.verdict]
+        table.add_row(
+            c.name, c.threshold, c.measured, f"[{style}]{c.verdict}[/]", c.source, c.reason
+        )
+    console().print(table)
+    word = "ACCEPTED" if verdict.accepted else "NOT ACCEPTED"
+    unchecked = f"; not checked: {', '.join(verdict.not_checked)}" if verdict.not_checked else ""
+    line(f"{verdict.run}: {word}{unchecked}; report {verdict.report}")
+
+
 # runs ---------------------------------------------------------------------------------------------
 def status(info: RunStatus) -> None:
     table = _table(

@@ -297,6 +297,9 @@ class Reporter:
             host=socket.gethostname(),
             pid=os.getpid(),
             resumed_from=resumed_from,
+            seq_len=seq_len,
+            device=self.env.device.type,
+            peak_source=peak[1],  # "datasheet H100 (NVIDIA H100 80GB HBM3)": the SKU for accept
         )
         self._status(state="running", step=step, loss=None, tokens_per_s=None)
         assert self.metrics is not None

@@ -69,3 +69,17 @@ def expected_gpu_link(vendor: str, device_name: str) -> tuple[str | None, str | 
     for a SKU the vendor description does not know."""
     value, key = by_sku(VENDORS[vendor].TOPOLOGY.GPU_LINKS, device_name)
     return value, key
+
+
+def golive_tflops(device_name: str) -> tuple[float | None, str | None]:
+    """(go-live TFLOP/s per GPU, how it was chosen) for a device name; (None, None) for a SKU
+    without a datasheet peak (CPU, unknown GPU)."""
+    from clusterspec.vendors import golive
+
+    value, key = by_sku(golive.TFLOPS_PER_GPU, device_name)
+    if value is not None:
+        return value, f"{key} go-live figure"
+    peak, key = peak_bf16_flops(device_name)
+    if peak is None:
+        return None, None
+    return round(peak / 1e12 * golive.DEFAULT_MFU, 1), f"{golive.DEFAULT_MFU:.0%} of {key} peak"

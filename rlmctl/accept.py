@@ -1,0 +1,570 @@
+"""`rlmctl accept RUN`: the go-live verdict of a run, one criterion per line.
+
+Each criterion reads one source: the run directory (trainer/rundir.py: metrics.jsonl, events,
+checkpoints, launcher logs), Prometheus over its HTTP API when `rlm_prometheus_url` is set
+(urllib only), and the last `rlmctl health` report (topology and communication path). Verdicts:
+PASS, FAIL, NO DATA (the source has nothing yet, or does not answer: the reason says which) and
+N/A (the criterion does not apply, e.g. a GPU criterion on a CPU run). The run is accepted when
+no criterion FAILs; the verdict lists what was not checked. Thresholds: `rlm_accept_thresholds`
+(clusterspec/variables.yml, docs/acceptance.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clusterspec import vendors
+from clusterspec.variables import default
+from trainer.rundir import RunDir
+
+PASS, FAIL, NO_DATA, NA = "PASS", "FAIL", "NO DATA", "N/A"
+REPORT_NAME = "acceptance.md"
+PLOTS_DIR = "acceptance"
+
+
+@dataclass
+class Criterion:
+    name: str
+    threshold: str
+    measured: str
+    verdict: str
+    source: str
+    reason: str = ""
+
+
+@dataclass
+class Verdict:
+    run: str
+    criteria: list[Criterion]
+    report: str | None = None
+    plots: list[str] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> bool:
+        return not any(c.verdict == FAIL for c in self.criteria)
+
+    @property
+    def not_checked(self) -> list[str]:
+        return [c.name for c in self.criteria if c.verdict in (NO_DATA, NA)]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "accepted": self.accepted,
+            "criteria": [asdict(c) for c in self.criteria],
+            "not_checked": self.not_checked,
+            "report": self.report,
+            "plots": self.plots,
+        }
+
+
+def thresholds(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """The inventory's rlm_accept_thresholds over the spec's defaults; unknown keys are errors."""
+    merged = default("rlm_accept_thresholds")
+    unknown = sorted(set(overrides or {}) - set(merged))
+    if unknown:
+        raise ValueError(
+            f"rlm_accept_thresholds has unknown keys {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(merged))}"
+        )
+    merged.update(overrides or {})
+    return merged
+
+
+# -- the run directory -------------------------------------------------------------------------
+@dataclass
+class RunData:
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    run_dir: RunDir
+
+    @classmethod
+    def load(cls, run_dir: RunDir) -> RunData:
+        records = run_dir.read_metrics() if run_dir.metrics_path.exists() else []
+        return cls(
+            train=[r for r in records if r.get("kind") == "train"],
+            val=[r for r in records if r.get("kind") == "val"],
+            events=run_dir.read_events() if run_dir.events_path.exists() else [],
+            run_dir=run_dir,
+        )
+
+    def start(self) -> dict[str, Any]:
+        starts = [e for e in self.events if e.get("event") == "start"]
+        return starts[-1] if starts else {}
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+
+
+def _no_metrics(name: str, threshold: str) -> Criterion:
+    return Criterion(name, threshold, "-", NO_DATA, "metrics.jsonl", "no training steps logged yet")
+
+
+def tflops_per_gpu(data: RunData, t: dict[str, Any]) -> Criterion:
+    name, source = "TFLOPS per GPU", "metrics.jsonl tflops"
+    start = data.start()
+    if start.get("device") == "cpu" and t["tflops_per_gpu"] is None:
+        return Criterion(name, "-", "-", NA, source, "CPU run: no GPU datasheet peak to judge by")
+    threshold, why = t["tflops_per_gpu"], "rlm_accept_thresholds"
+    if threshold is None:
+        threshold, why = vendors.golive_tflops(str(start.get("peak_source", "")))
+    if threshold is None:
+        sku = start.get("peak_source") or "no start event"
+        return Criterion(
+            name, "-", "-", NO_DATA, source,
+            f"unknown SKU ({sku}): set rlm_accept_thresholds.tflops_per_gpu",
+        )  # fmt: skip
+    values = [v for r in data.train if (v := _number(r.get("tflops"))) is not None]
+    if not values:
+        return _no_metrics(name, f">= {threshold:g}")
+    steady = values[len(values) // 2 :]  # the second half: compile and warm-up left out
+    measured = statistics.median(steady)
+    verdict = PASS if measured >= threshold else FAIL
+    return Criterion(name, f">= {threshold:g} ({why})", f"{measured:.4g} median", verdict, source)
+
+
+def loss_falling(data: RunData, t: dict[str, Any]) -> Criterion:
+    """Slope of the loss over the last window, after removing each sampled depth's own mean:
+    a deep sample has a lower loss than a shallow one at the same step, so the raw series jumps
+    with the depth schedule; within-depth residuals do not."""
+    name, pct = "loss falling", t["loss_window_pct"]
+    threshold = f"slope < 0 over the last {pct:g}% of steps"
+    points = [
+        (r["step"], loss, r.get("recurrence"))
+        for r in data.train
+        if (loss := _number(r.get("loss"))) is not None
+    ]
+    if len(points) < t["min_points"]:
+        return Criterion(
+            name, threshold, f"{len(points)} steps", NO_DATA, "metrics.jsonl loss",
+            f"fewer than {t['min_points']} logged steps",
+        )  # fmt: skip
+    window = points[-max(t["min_points"], int(len(points) * pct / 100)) :]
+    by_depth: dict[Any, list[float]] = {}
+    for _, loss, depth in window:
+        by_depth.setdefault(depth, []).append(loss)
+    means = {depth: statistics.fmean(losses) for depth, losses in by_depth.items()}
+    steps = [float(s) for s, _, _ in window]
+    residuals = [loss - means[depth] for _, loss, depth in window]
+    slope = _slope(steps, residuals)
+    change = slope * (steps[-1] - steps[0])
+    measured = f"{change:+.4f} over steps {int(steps[0])}-{int(steps[-1])}"
+    return Criterion(
+        name, threshold, measured, PASS if slope < 0 else FAIL, "metrics.jsonl loss, recurrence"
+    )
+
+
+def _val_depths(data: RunData) -> list[dict[str, float]]:
+    out = []
+    for record in data.val:
+        ppl = record.get("perplexity") or {}
+        out.append({str(d): float(v) for d, v in ppl.items() if _number(v) is not None})
+    return out
+
+
+def val_ppl_falling(data: RunData, t: dict[str, Any]) -> Criterion:
+    name, source = "val perplexity falling at every depth", "metrics.jsonl val perplexity"
+    evals = _val_depths(data)
+    if len(evals) < 2:
+        return Criterion(
+            name, "last < first per depth", f"{len(evals)} evaluations", NO_DATA, source,
+            "needs two validation passes (eval.every)",
+        )  # fmt: skip
+    first, last = evals[0], evals[-1]
+    depths = sorted(set(first) & set(last), key=int)
+    stuck = [d for d in depths if not last[d] < first[d]]
+    measured = ", ".join(f"d{d} {first[d]:.4g}->{last[d]:.4g}" for d in depths)
+    reason = f"not falling at depth {', '.join(stuck)}" if stuck else ""
+    verdict = FAIL if stuck or not depths else PASS
+    return Criterion(name, "last < first per depth", measured, verdict, source, reason)
+
+
+def ppl_falls_with_depth(data: RunData, t: dict[str, Any]) -> Criterion:
+    name, source = "perplexity falling with depth", "metrics.jsonl val perplexity (last pass)"
+    evals = _val_depths(data)
+    threshold = f"each deeper depth <= shallower x{1 + t['depth_tolerance']:g}"
+    if not evals or len(evals[-1]) < 2:
+        return Criterion(
+            name, threshold, "-", NO_DATA, source, "needs a validation pass at two or more depths"
+        )
+    last = evals[-1]
+    depths = sorted(last, key=int)
+    rising = [
+        f"d{a}->d{b}"
+        for a, b in itertools.pairwise(depths)
+        if last[b] > last[a] * (1 + t["depth_tolerance"])
+    ]
+    measured = ", ".join(f"d{d} {last[d]:.4g}" for d in depths)
+    reason = "rises at " + ", ".join(rising) if rising else ""
+    return Criterion(name, threshold, measured, FAIL if rising else PASS, source, reason)
+
+
+def grad_norm_stable(data: RunData, t: dict[str, Any]) -> Criterion:
+    name, source = "grad-norm stability (seq >= 1024)", "metrics.jsonl grad_norm"
+    k, min_seq = t["grad_spike_k"], t["grad_min_seq_len"]
+    threshold = f"no step > {k:g} x median"
+    seq_len = data.start().get("seq_len")
+    if isinstance(seq_len, int) and seq_len < min_seq:
+        return Criterion(name, threshold, f"seq_len {seq_len}", NA, source, f"seq_len < {min_seq}")
+    norms = [(r["step"], v) for r in data.train if (v := _number(r.get("grad_norm"))) is not None]
+    if len(norms) < t["min_points"]:
+        return Criterion(name, threshold, f"{len(norms)} steps", NO_DATA, source, "too few steps")
+    norms = norms[len(norms) // 20 :]  # the first 5 %: warm-up norms are large by nature
+    median = statistics.median(v for _, v in norms)
+    spikes = [s for s, v in norms if v > k * median]
+    peak = max(v for _, v in norms)
+    measured = f"max {peak / median:.3g} x median {median:.3g}"
+    reason = f"spikes at steps {spikes[:5]}" if spikes else ""
+    return Criterion(name, threshold, measured, FAIL if spikes else PASS, source, reason)
+
+
+def lr_smooth(data: RunData, t: dict[str, Any]) -> Criterion:
+    name, source = "learning-rate curve smooth", "metrics.jsonl lr"
+    threshold = f"step-to-step change <= {t['lr_max_jump']:.0%} of peak"
+    lrs = [(r["step"], v) for r in data.train if (v := _number(r.get("lr"))) is not None]
+    if len(lrs) < 2:
+        return Criterion(name, threshold, "-", NO_DATA, source, "fewer than two steps")
+    peak = max(v for _, v in lrs) or 1.0
+    jumps = [
+        (b[0], abs(b[1] - a[1]) / peak / max(1, b[0] - a[0])) for a, b in itertools.pairwise(lrs)
+    ]
+    worst_step, worst = max(jumps, key=lambda j: j[1])
+    verdict = PASS if worst <= t["lr_max_jump"] else FAIL
+    reason = f"jump at step {worst_step}" if verdict == FAIL else ""
+    return Criterion(name, threshold, f"max {worst:.2%} of peak", verdict, source, reason)
+
+
+def checkpoints_ok(data: RunData, t: dict[str, Any]) -> Criterion:
+    name, source = "checkpoints saved and verified", "checkpoints/ manifests"
+    limit = t["checkpoint_max_interval"]
+    threshold = f"interval <= {limit} steps, every one valid"
+    infos = data.run_dir.checkpoints(full=t["checkpoint_full_verify"])
+    last_step = data.train[-1]["step"] if data.train else 0
+    if not infos:
+        if last_step <= limit:
+            return Criterion(
+                name, threshold, "none yet", NO_DATA, source, f"run at step {last_step}"
+            )
+        return Criterion(name, threshold, "none", FAIL, source, f"step {last_step}, no checkpoint")
+    steps = sorted(i.step for i in infos)
+    gaps = [b - a for a, b in zip([0, *steps], steps, strict=False)]
+    if last_step > steps[-1]:
+        gaps.append(last_step - steps[-1])
+    bad = [f"{i.path.name}: {i.reason}" for i in infos if not i.valid]
+    measured = f"{len(infos)} checkpoints, max gap {max(gaps)} steps, {len(bad)} invalid"
+    failed = bad or max(gaps) > limit
+    reason = "; ".join(bad[:3]) or (f"gap {max(gaps)} > {limit}" if failed else "")
+    return Criterion(name, threshold, measured, FAIL if failed else PASS, source, reason)
+
+
+def logs_present(data: RunData, t: dict[str, Any]) -> Criterion:
+    name, source = "logs recorded and growing", "hosts/*/launcher.log, metrics.jsonl"
+    max_age = t["log_max_age_s"]
+    threshold = f"present; newest <= {max_age:g} s old while running"
+    logs = sorted((data.run_dir.path / "hosts").glob("*/launcher.log"))
+    metrics = data.run_dir.metrics_path
+    missing = [p.parent.name for p in logs if p.stat().st_size == 0]
+    if not logs or not metrics.exists():
+        what = "no launcher log" if not logs else "no metrics.jsonl"
+        return Criterion(name, threshold, what, FAIL if data.events else NO_DATA, source, what)
+    state = data.run_dir.state()
+    age = time.time() - max(p.stat().st_mtime for p in [*logs, metrics])
+    measured = f"{len(logs)} host logs, newest {age:.0f} s old"
+    stale = state is not None and state.active and age > max_age
+    reason = ("empty: " + ", ".join(missing)) if missing else ("stale" if stale else "")
+    return Criterion(name, threshold, measured, FAIL if missing or stale else PASS, source, reason)
+
+
+def nonfinite_steps(data: RunData, t: dict[str, Any]) -> Criterion:
+    name, source = "non-finite steps", "events.jsonl nonfinite"
+    limit = t["max_nonfinite_steps"]
+    if not data.train:
+        return _no_metrics(name, f"<= {limit}")
+    count = sum(1 for e in data.events if e.get("event") == "nonfinite")
+    return Criterion(name, f"<= {limit}", str(count), PASS if count <= limit else FAIL, source)
+
+
+RUN_DIR_CRITERIA: tuple[Callable[[RunData, dict[str, Any]], Criterion], ...] = (
+    tflops_per_gpu,
+    loss_falling,
+    val_ppl_falling,
+    ppl_falls_with_depth,
+    grad_norm_stable,
+    lr_smooth,
+    checkpoints_ok,
+    logs_present,
+    nonfinite_steps,
+)
+
+
+# -- Prometheus --------------------------------------------------------------------------------
+class PrometheusError(Exception):
+    pass
+
+
+def prom_query(url: str, query: str, at: float | None = None, timeout: float = 5.0) -> list:
+    """The result vector of an instant query (HTTP API /api/v1/query)."""
+    params = {"query": query} | ({"time": f"{at:.3f}"} if at else {})
+    full = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(params)
+    try:
+        with urllib.request.urlopen(full, timeout=timeout) as response:
+            body = json.loads(response.read().decode())
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        raise PrometheusError(f"{url} does not answer ({reason})") from None
+    if body.get("status") != "success":
+        raise PrometheusError(f"{url}: query failed: {body.get('error', body)}")
+    return body["data"]["result"]
+
+
+def _scalar(result: list) -> float | None:
+    values = [float(r["value"][1]) for r in result]
+    values = [v for v in values if math.isfinite(v)]
+    return values[0] if len(values) == 1 else (min(values) if values else None)
+
+
+def prometheus_criteria(url: str | None, run: str, window_s: float, t: dict[str, Any], cpu: bool):
+    """GPU utilisation, network share of the link, trainer memory slope, scrape freshness."""
+    source = f"Prometheus {url}" if url else "Prometheus"
+    names = ("GPU utilisation", "network share of link", "host memory slope", "scrape freshness")
+    if not url:
+        reason = "rlm_prometheus_url is not set"
+        return [Criterion(n, "-", "-", NO_DATA, source, reason) for n in names]
+    window = f"{max(60, int(window_s))}s"
+    util_min, net_max = t["gpu_util_min_pct"], t["network_max_pct"]
+    slope_max, fresh_max = t["memory_slope_max_mb_per_h"], t["scrape_max_age_s"]
+    checks = (
+        (
+            names[0], f">= {util_min:g}% (mean over the run)",
+            f"100 * avg(avg_over_time(rlm_gpu_utilization_ratio[{window}]))",
+            lambda v: v >= util_min, "{:.1f}%", "no rlm_gpu_utilization_ratio series",
+        ),
+        (
+            names[1], f"<= {net_max:g}% (peak 5m rate / link speed)",
+            f"100 * max(max_over_time((rate(rlm_network_transmit_bytes_total[5m]) "
+            f"/ rlm_network_speed_bytes)[{window}:1m]))",
+            lambda v: v <= net_max, "{:.1f}%", "no network series with a known link speed",
+        ),
+        (
+            names[2], f"<= {slope_max:g} MB/h growth",
+            f"sum(deriv(rlm_trainer_resident_memory_bytes[{window}])) * 3600 / 1e6",
+            lambda v: v <= slope_max, "{:+.1f} MB/h", "no rlm_trainer_resident_memory_bytes series",
+        ),
+        (
+            names[3], f"every target up, last scrape <= {fresh_max:g} s ago",
+            "max(time() - timestamp(up)) * min(up) + (1 - min(up)) * 1e9",
+            lambda v: v <= fresh_max, "{:.1f} s", "no scrape targets",
+        ),
+    )  # fmt: skip
+    out = []
+    for name, threshold, query, ok, shown, empty in checks:
+        if cpu and name in names[:2]:
+            out.append(Criterion(name, threshold, "-", NA, source, "CPU run: no GPU or RDMA link"))
+            continue
+        try:
+            value = _scalar(prom_query(url, query))
+        except PrometheusError as error:
+            out.append(Criterion(name, threshold, "-", NO_DATA, source, str(error)))
+            continue
+        if value is None:
+            out.append(Criterion(name, threshold, "-", NO_DATA, source, empty))
+            continue
+        measured = "target down" if value >= 1e9 else shown.format(value)
+        out.append(Criterion(name, threshold, measured, PASS if ok(value) else FAIL, source))
+    return out
+
+
+# -- the last health report --------------------------------------------------------------------
+def health_criteria(report: dict[str, Any] | None, source: str) -> list[Criterion]:
+    names = ("GPU topology", "communication path")
+    if report is None:
+        reason = "no health report yet: run `rlmctl health --deep`"
+        return [Criterion(n, "-", "-", NO_DATA, source, reason) for n in names]
+    age = f"{(time.time() - report.get('time', time.time())) / 3600:.1f} h old"
+    topo = [
+        (h["host"], c)
+        for h in report.get("hosts", [])
+        for c in h.get("checks", [])
+        if c["name"] == "topology"
+    ]
+    out = []
+    if not topo:
+        out.append(Criterion(names[0], "-", "-", NO_DATA, source, "report has no topology check"))
+    else:
+        bad = [f"{h}: {c['detail']}" for h, c in topo if c["state"] == "CRIT"]
+        skipped = all(c["detail"].startswith("skipped") for _, c in topo)
+        verdict = FAIL if bad else (NA if skipped else PASS)
+        measured = f"{len(topo)} hosts, {len(bad)} degraded ({age})"
+        reason = "; ".join(bad[:3]) or ("no GPU on the hosts" if skipped else "")
+        out.append(Criterion(names[0], "no degraded link", measured, verdict, source, reason))
+    deep = report.get("deep")
+    if deep is None:
+        out.append(Criterion(names[1], "-", "-", NO_DATA, source, "last health run was not --deep"))
+        return out
+    paths = deep.get("comm_path") or {}
+    problems = [p for p in deep.get("problems", []) if " via " in p or "NIC" in p]
+    summary = "; ".join(f"{h}: {p['summary']}" for h, p in paths.items()) or "gloo (no NCCL log)"
+    if problems:
+        verdict = FAIL
+    elif paths:
+        verdict = PASS
+    else:
+        verdict = NA
+    reason = "; ".join(problems[:3]) or ("CPU hosts: no NCCL transport" if not paths else "")
+    out.append(Criterion(names[1], "rlm_fabric", summary, verdict, source, reason))
+    return out
+
+
+def evaluate(
+    run: str,
+    run_dir: RunDir,
+    t: dict[str, Any],
+    prometheus_url: str | None,
+    health_report: dict[str, Any] | None,
+    health_source: str,
+) -> Verdict:
+    data = RunData.load(run_dir)
+    criteria = [criterion(data, t) for criterion in RUN_DIR_CRITERIA]
+    cpu = data.start().get("device") == "cpu"
+    started = data.events[0]["time"] if data.events else time.time()
+    criteria += prometheus_criteria(prometheus_url, run, time.time() - started, t, cpu)
+    criteria += health_criteria(health_report, health_source)
+    return Verdict(run, criteria)
+
+
+# -- the report --------------------------------------------------------------------------------
+def svg_plot(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str) -> str:
+    """A small line plot as SVG (no plotting library on the controller)."""
+    width, height, pad = 560, 300, 50
+    points = [p for values in series.values() for p in values]
+    if not points:
+        return ""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
+
+    def sx(x: float) -> float:
+        return pad + (x - x0) / (x1 - x0) * (width - 2 * pad)
+
+    def sy(y: float) -> float:
+        return height - pad - (y - y0) / (y1 - y0) * (height - 2 * pad)
+
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf"]
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="11">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>',
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>',
+        f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">{xlabel}</text>',
+        f'<text x="12" y="{height / 2}" transform="rotate(-90 12 {height / 2})" '
+        f'text-anchor="middle">{ylabel}</text>',
+        f'<text x="{pad}" y="{height - pad + 14}">{x0:g}</text>',
+        f'<text x="{width - pad}" y="{height - pad + 14}" text-anchor="end">{x1:g}</text>',
+        f'<text x="{pad - 4}" y="{height - pad}" text-anchor="end">{y0:.3g}</text>',
+        f'<text x="{pad - 4}" y="{pad + 4}" text-anchor="end">{y1:.3g}</text>',
+    ]
+    for index, (label, values) in enumerate(series.items()):
+        color = colors[index % len(colors)]
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{path}"/>')
+        parts.append(
+            f'<text x="{width - pad + 4}" y="{pad + 14 * index}" fill="{color}">{label}</text>'
+        )
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def plots(run_dir: RunDir) -> dict[str, str]:
+    """File name -> SVG of the report's plots from the run directory."""
+    data = RunData.load(run_dir)
+    out = {}
+    loss = [(r["tokens"], v) for r in data.train if (v := _number(r.get("loss"))) is not None]
+    tflops = [(r["step"], v) for r in data.train if (v := _number(r.get("tflops"))) is not None]
+    by_depth: dict[str, list[tuple[float, float]]] = {}
+    tokens_at = {r["step"]: r.get("tokens", r["step"]) for r in data.train}
+    for record in data.val:
+        for depth, ppl in (record.get("perplexity") or {}).items():
+            if _number(ppl) is not None:
+                by_depth.setdefault(f"depth {depth}", []).append(
+                    (tokens_at.get(record["step"], record["step"]), ppl)
+                )
+    if loss:
+        out["loss.svg"] = svg_plot({"train loss": loss}, "tokens", "loss")
+    if by_depth:
+        out["val-perplexity.svg"] = svg_plot(by_depth, "tokens", "validation perplexity")
+        last = data.val[-1].get("perplexity") or {}
+        depth_curve = sorted((float(d), float(v)) for d, v in last.items() if _number(v))
+        out["perplexity-by-depth.svg"] = svg_plot({"last pass": depth_curve}, "depth", "perplexity")
+    if tflops:
+        out["tflops.svg"] = svg_plot({"TFLOPS per GPU": tflops}, "step", "TFLOP/s")
+    return {name: svg for name, svg in out.items() if svg}
+
+
+def write_report(verdict: Verdict, run_dir: RunDir, extra_plots: dict[str, str]) -> Path:
+    """<run_dir>/acceptance.md with the table and the plots (SVG files in acceptance/)."""
+    directory = run_dir.path / PLOTS_DIR
+    directory.mkdir(exist_ok=True)
+    drawn = plots(run_dir) | extra_plots
+    for name, svg in drawn.items():
+        (directory / name).write_text(svg, encoding="utf-8")
+    lines = [
+        f"# Go-live acceptance: {verdict.run}",
+        "",
+        f"Generated by `rlmctl accept` at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}.",
+        "",
+        f"**Verdict: {'ACCEPTED' if verdict.accepted else 'NOT ACCEPTED'}**"
+        + (f" (not checked: {', '.join(verdict.not_checked)})" if verdict.not_checked else ""),
+        "",
+        "| criterion | threshold | measured | verdict | source | note |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in verdict.criteria:
+        cells = [c.name, c.threshold, c.measured, c.verdict, c.source, c.reason]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    lines.append("")
+    for name in drawn:
+        lines += [f"![{name}]({PLOTS_DIR}/{name})", ""]
+    path = run_dir.path / REPORT_NAME
+    path.write_text("\n".join(lines), encoding="utf-8")
+    verdict.report = str(path)
+    verdict.plots = [str(directory / name) for name in drawn]
+    return path
+
+
+def run(name: str, run_dir: RunDir, prometheus_url: str | None, overrides: Any, shared_dir: str):
+    """The verdict of run `name`, with its report written into the run directory."""
+    from rlmctl.errors import RlmctlError
+    from rlmctl.health import last_report_path, read_last_report
+
+    if not isinstance(overrides, dict | type(None)):
+        raise RlmctlError(f"rlm_accept_thresholds must be a mapping, got {overrides!r}")
+    try:
+        limits = thresholds(overrides)
+    except ValueError as error:
+        raise RlmctlError(f"{error}; fix it in the inventory") from None
+    if not run_dir.path.is_dir():
+        raise RlmctlError(f"run directory {run_dir.path} of {name} does not exist")
+    source = str(last_report_path(shared_dir))
+    verdict = evaluate(name, run_dir, limits, prometheus_url, read_last_report(shared_dir), source)
+    write_report(verdict, run_dir, {})
+    return verdict
