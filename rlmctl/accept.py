@@ -328,6 +328,11 @@ def prom_query(url: str, query: str, at: float | None = None, timeout: float = 5
     try:
         with urllib.request.urlopen(full, timeout=timeout) as response:
             body = json.loads(response.read().decode())
+    except urllib.error.HTTPError as error:  # Prometheus answers 400/422 with a JSON error
+        try:
+            body = json.loads(error.read().decode())
+        except ValueError:
+            body = {"error": f"HTTP {error.code}"}
     except (urllib.error.URLError, OSError, ValueError) as error:
         reason = getattr(error, "reason", error)
         raise PrometheusError(f"{url} does not answer ({reason})") from None
