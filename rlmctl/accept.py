@@ -266,14 +266,25 @@ def checkpoints_ok(data: RunData, t: dict[str, Any]) -> Criterion:
             )
         return Criterion(name, threshold, "none", FAIL, source, f"step {last_step}, no checkpoint")
     steps = sorted(i.step for i in infos)
-    gaps = [b - a for a, b in zip([0, *steps], steps, strict=False)]
-    if last_step > steps[-1]:
-        gaps.append(last_step - steps[-1])
+    # Older checkpoints are pruned (checkpoint.keep_last): judge the kept ones, the configured
+    # interval and the steps since the newest one.
+    gaps = [b - a for a, b in itertools.pairwise(steps)] + [max(0, last_step - steps[-1])]
+    gaps.append(_configured_interval(data.run_dir) or 0)
     bad = [f"{i.path.name}: {i.reason}" for i in infos if not i.valid]
     measured = f"{len(infos)} checkpoints, max gap {max(gaps)} steps, {len(bad)} invalid"
     failed = bad or max(gaps) > limit
     reason = "; ".join(bad[:3]) or (f"gap {max(gaps)} > {limit}" if failed else "")
     return Criterion(name, threshold, measured, FAIL if failed else PASS, source, reason)
+
+
+def _configured_interval(run_dir: RunDir) -> int | None:
+    import yaml
+
+    try:
+        config = yaml.safe_load(run_dir.config_path.read_text(encoding="utf-8")) or {}
+        return int(config["checkpoint"]["interval_steps"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return None
 
 
 def logs_present(data: RunData, t: dict[str, Any]) -> Criterion:
@@ -353,7 +364,12 @@ def prometheus_criteria(url: str | None, run: str, window_s: float, t: dict[str,
     names = ("GPU utilisation", "network share of link", "host memory slope", "scrape freshness")
     if not url:
         reason = "rlm_prometheus_url is not set"
-        return [Criterion(n, "-", "-", NO_DATA, source, reason) for n in names]
+        return [
+            Criterion(n, "-", "-", NA, source, "CPU run: no GPU or RDMA link")
+            if cpu and n in names[:2]
+            else Criterion(n, "-", "-", NO_DATA, source, reason)
+            for n in names
+        ]
     window = f"{max(60, int(window_s))}s"
     util_min, net_max = t["gpu_util_min_pct"], t["network_max_pct"]
     slope_max, fresh_max = t["memory_slope_max_mb_per_h"], t["scrape_max_age_s"]

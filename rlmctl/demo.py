@@ -63,6 +63,7 @@ def run(session: Any, steps: int) -> int:
     name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides = [f"data.path={data}", f"train.steps={steps}", f"metrics.port={port}"]
     with session.fleet(hosts) as fleet, session.registry() as registry:
+        _health(fleet, hosts, say)
         name, run_dir, _ = launch.launch(
             fleet, session.inventory(), hosts, CONFIG, name, None, False, overrides, say
         )
@@ -75,7 +76,30 @@ def run(session: Any, steps: int) -> int:
             launch.stop(fleet, registry, name, timeout=30)
             return 130
     _report(run_dir, name, state, console)
+    _accept(run_dir, name, hosts[0])
     return 0 if state == "done" else 1
+
+
+def _health(fleet: Any, hosts: list[Any], say: Any) -> None:
+    """`rlmctl health --deep` before the launch: its report is what `accept` reads for the
+    topology and the communication path."""
+    from rlmctl import deep, health
+
+    say("health --deep: the gate, then a real all-reduce across the workers")
+    report = health.run_checks(fleet)
+    result = deep.run(fleet, [h for h in hosts if h.name in report.healthy])
+    health.save_last_report(report.as_dict() | {"deep": result.as_dict()}, hosts[0].shared_dir)
+    say(result.summary())
+
+
+def _accept(run_dir: RunDir, name: str, host: Any) -> None:
+    """The go-live report of the demo run (rlmctl accept), with the inventory's CPU thresholds."""
+    from rlmctl import accept, render
+
+    verdict = accept.run(
+        name, run_dir, host.prometheus_url, host.accept_thresholds, host.shared_dir
+    )
+    render.acceptance(verdict)
 
 
 def _follow(fleet, registry, session, name, run_dir, steps, progress_cls, console) -> str:
@@ -135,7 +159,10 @@ def _report(run_dir: RunDir, name: str, state: str, console: Any) -> None:
     if state == "done":
         _depth_plot(run_dir, say)
     say(f"run directory: {run_dir.path} (checkpoints under checkpoints/)")
-    say(f"next: rlmctl status {name} | rlmctl logs {name} | rlmctl checkpoints {name} --verify")
+    say(
+        f"next: rlmctl status {name} | rlmctl logs {name} | rlmctl checkpoints {name} --verify"
+        f" | rlmctl accept {name}"
+    )
     if state != "done":
         say(f"the run did not finish; see rlmctl logs {name}")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlmctl import accept
+from tests.rlmctl.conftest import assert_one_line_error, rlmctl
 from trainer.rundir import RunDir, checkpoint_dir_name, write_manifest
 
 LIMITS = accept.thresholds(None)
@@ -31,7 +32,11 @@ def make_run(
     checkpoints: tuple[int, ...] = (100, 200),
     nonfinite: int = 0,
 ) -> RunDir:
-    run_dir = RunDir(tmp_path / "run").create()
+    run_dir = (
+        RunDir(tmp_path).create()
+        if tmp_path.parent.name == "runs"
+        else RunDir(tmp_path / "run").create()
+    )
     run_dir.append_event("launched")
     run_dir.append_event(
         "start", step=0, seq_len=seq_len, device=device, peak_source=peak_source, world_size=8
@@ -221,3 +226,36 @@ def test_verdict_json_is_serialisable(tmp_path: Path) -> None:
     assert not any(
         isinstance(c["measured"], float) and math.isnan(c["measured"]) for c in data["criteria"]
     )
+
+
+def test_pruned_checkpoints_are_judged_by_the_kept_ones_and_the_config(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "a", steps=200, checkpoints=(150, 200))  # 50 and 100 pruned
+    assert judge(run_dir, accept.checkpoints_ok, checkpoint_max_interval=60).verdict == accept.PASS
+    run_dir.config_path.write_text("checkpoint: {interval_steps: 10000}\n")
+    result = judge(run_dir, accept.checkpoints_ok)
+    assert result.verdict == accept.FAIL and "gap 10000 > 5000" in result.reason
+
+
+def test_cli_accept_exit_codes_json_and_bad_input(local_inventory: Path) -> None:
+    """The command as an operator runs it: a table or --json, exit 1 on a FAIL, one-line errors."""
+    shared = local_inventory.parent / "shared"
+    for name, nonfinite in (("good-run", 0), ("bad-run", 3)):
+        run_dir = make_run(shared / "runs" / name, nonfinite=nonfinite)
+        run_dir.config_path.write_text("checkpoint: {interval_steps: 100}\n")
+    assert rlmctl("-i", str(local_inventory), "reindex").returncode == 0
+    result = rlmctl("-i", str(local_inventory), "accept", "good-run", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["accepted"] and Path(data["report"]).name == "acceptance.md"
+    assert "GPU topology" in data["not_checked"]  # no health report in this shared dir yet
+    result = rlmctl("-i", str(local_inventory), "accept", "bad-run")
+    assert (
+        result.returncode == 1
+        and "NOT ACCEPTED" in result.stdout
+        and "Traceback" not in result.stderr
+    )
+    assert_one_line_error(rlmctl("-i", str(local_inventory), "accept", "nope"), 2, "nope")
+    hosts = local_inventory / "hosts.yml"
+    hosts.write_text(hosts.read_text() + "    rlm_accept_thresholds: {gpu_util: 90}\n")
+    bad = rlmctl("-i", str(local_inventory), "accept", "good-run")
+    assert_one_line_error(bad, 2, "rlm_accept_thresholds has unknown keys gpu_util")
