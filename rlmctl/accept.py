@@ -332,10 +332,9 @@ class PrometheusError(Exception):
     pass
 
 
-def prom_query(url: str, query: str, at: float | None = None, timeout: float = 5.0) -> list:
-    """The result vector of an instant query (HTTP API /api/v1/query)."""
-    params = {"query": query} | ({"time": f"{at:.3f}"} if at else {})
-    full = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(params)
+def _api(url: str, path: str, params: dict[str, str], timeout: float) -> dict:
+    """One GET of Prometheus' HTTP API; a PrometheusError names what went wrong."""
+    full = url.rstrip("/") + path + "?" + urllib.parse.urlencode(params)
     try:
         with urllib.request.urlopen(full, timeout=timeout) as response:
             body = json.loads(response.read().decode())
@@ -347,9 +346,49 @@ def prom_query(url: str, query: str, at: float | None = None, timeout: float = 5
     except (urllib.error.URLError, OSError, ValueError) as error:
         reason = getattr(error, "reason", error)
         raise PrometheusError(f"{url} does not answer ({reason})") from None
-    if body.get("status") != "success":
-        raise PrometheusError(f"{url}: query failed: {body.get('error', body)}")
-    return body["data"]["result"]
+    if not isinstance(body, dict) or body.get("status") != "success":
+        error = body.get("error", body) if isinstance(body, dict) else body
+        raise PrometheusError(f"{url}: query failed: {error}")
+    return body["data"]
+
+
+def prom_query(url: str, query: str, at: float | None = None, timeout: float = 5.0) -> list:
+    """The result vector of an instant query (HTTP API /api/v1/query)."""
+    params = {"query": query} | ({"time": f"{at:.3f}"} if at else {})
+    return _api(url, "/api/v1/query", params, timeout)["result"]
+
+
+def prom_range(url: str, query: str, start: float, end: float, timeout: float = 5.0) -> list:
+    """(seconds from start, value) points of the first series of a range query."""
+    step = max(1.0, (end - start) / 200)
+    params = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
+    result = _api(url, "/api/v1/query_range", params, timeout)["result"]
+    return [(float(t) - start, float(v)) for t, v in result[0]["values"]] if result else []
+
+
+# The report's Prometheus plots: file name -> (y label, query).
+PROMETHEUS_PLOTS = {
+    "gpu-utilisation.svg": ("GPU utilisation %", "100 * avg(rlm_gpu_utilization_ratio)"),
+    "network-share.svg": (
+        "network share of link %",
+        "100 * max(rate(rlm_network_transmit_bytes_total[1m]) / rlm_network_speed_bytes)",
+    ),
+}
+
+
+def prometheus_plots(url: str | None, start: float, end: float) -> dict[str, str]:
+    """GPU utilisation and network share over the run, where Prometheus has them."""
+    out: dict[str, str] = {}
+    if not url:
+        return out
+    for name, (label, query) in PROMETHEUS_PLOTS.items():
+        try:
+            points = prom_range(url, query, start, end)
+        except PrometheusError:
+            return out
+        if points:
+            out[name] = svg_plot({label: points}, "seconds since the run started", label)
+    return out
 
 
 def _scalar(result: list) -> float | None:
@@ -587,5 +626,7 @@ def run(name: str, run_dir: RunDir, prometheus_url: str | None, overrides: Any, 
         raise RlmctlError(f"run directory {run_dir.path} of {name} does not exist")
     source = str(last_report_path(shared_dir))
     verdict = evaluate(name, run_dir, limits, prometheus_url, read_last_report(shared_dir), source)
-    write_report(verdict, run_dir, {})
+    events = RunData.load(run_dir).events
+    started = events[0]["time"] if events else time.time() - 3600
+    write_report(verdict, run_dir, prometheus_plots(prometheus_url, started, time.time()))
     return verdict

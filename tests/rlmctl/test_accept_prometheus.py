@@ -133,3 +133,11 @@ def test_a_query_without_series_is_no_data(prometheus: str) -> None:
     assert accept.prom_query(prometheus, "absent_metric_rlm") == []
     with pytest.raises(accept.PrometheusError, match="query failed"):
         accept.prom_query(prometheus, "rate(")
+
+
+def test_report_plots_utilisation_and_network_from_prometheus(prometheus: str) -> None:
+    _wait_for_data(prometheus)
+    drawn = accept.prometheus_plots(prometheus, time.time() - 120, time.time())
+    assert set(drawn) == {"gpu-utilisation.svg", "network-share.svg"}
+    assert all(svg.startswith("<svg") and "polyline" in svg for svg in drawn.values())
+    assert accept.prometheus_plots(None, 0, 1) == {}
