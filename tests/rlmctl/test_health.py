@@ -33,7 +33,8 @@ def test_local_host_passes_the_gate(local_inventory: Path) -> None:
         report = health.run_checks(fleet)
     (host,) = report.hosts
     names = [c.name for c in host.checks]
-    for name in ("reachable", "clock", "disk", "shared_fs", "memory", "load", "gpu", "rdzv_port"):
+    checks = ("reachable", "clock", "disk", "shared_fs", "memory", "load", "gpu", "topology")
+    for name in (*checks, "rdzv_port"):
         assert name in names
     assert host.check("shared_fs").state == OK  # the controller's marker was seen
     assert host.check("gpu").detail.startswith("skipped")
@@ -46,6 +47,9 @@ def test_cli_health_json_exit_codes(local_inventory: Path) -> None:
     result = rlmctl("-i", str(local_inventory), "health", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["hosts"][0]["host"] == "localhost"
+    # The report is kept for `rlmctl accept` (topology; with --deep the communication path).
+    kept = health.read_last_report(str(local_inventory.parent / "shared"))
+    assert kept["hosts"][0]["host"] == "localhost" and kept["time"] > 0
     with socket.socket() as busy:  # the rendezvous port taken: critical, exit 1
         busy.bind(("0.0.0.0", 29573))
         busy.listen()
