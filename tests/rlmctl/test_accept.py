@@ -259,3 +259,9 @@ def test_cli_accept_exit_codes_json_and_bad_input(local_inventory: Path) -> None
     hosts.write_text(hosts.read_text() + "    rlm_accept_thresholds: {gpu_util: 90}\n")
     bad = rlmctl("-i", str(local_inventory), "accept", "good-run")
     assert_one_line_error(bad, 2, "rlm_accept_thresholds has unknown keys gpu_util")
+
+
+def test_cpu_run_marks_gpu_criteria_not_applicable_even_without_prometheus() -> None:
+    criteria = accept.prometheus_criteria(None, "r", 60, LIMITS, cpu=True)
+    assert [c.verdict for c in criteria] == [accept.NA, accept.NA, accept.NO_DATA, accept.NO_DATA]
+    assert criteria[0].reason == "CPU run: no GPU or RDMA link"
