@@ -16,6 +16,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ import yaml
 from monitoring import exporter, file_sd
 from rlmctl.inventory import load
 from tests.monitoring import conftest
-from tests.monitoring.conftest import FIXTURES, RECORDED_NAME_COLUMNS
+from tests.monitoring.conftest import FIXTURES, STANDIN_NVIDIA_SMI
 from tests.monitoring.test_config import MONITORING, dashboard_queries, rules
 from tests.rig import Rig
 
@@ -107,18 +108,19 @@ def start_in_node(rig: Rig, host: str, name: str, command: str, state: Path) -> 
 
 
 def fake_nvidia_smi(bin_dir: Path, hot_gpu: int | None) -> None:
-    """A stand-in nvidia-smi printing the recorded 8-GPU output (optionally one GPU at 95 °C)."""
+    """A stand-in nvidia-smi answering from the 8-GPU fixture (optionally one GPU at 95 °C)."""
     bin_dir.mkdir(parents=True)
     rows = (FIXTURES / "nvidia-smi-8gpu.csv").read_text().splitlines()
     if hot_gpu is not None:
         cells = rows[hot_gpu].split(", ")
         cells[5] = "95"  # temperature.gpu
         rows[hot_gpu] = ", ".join(cells)
-    rows = [row + RECORDED_NAME_COLUMNS for row in rows]  # the exporter's two later fields
     (bin_dir / "nvidia-smi.csv").write_text("\n".join(rows) + "\n")
-    for tool, output in (("nvidia-smi", "nvidia-smi.csv"), ("dmesg", None)):
-        source = bin_dir / output if output else FIXTURES / "dmesg-xid.txt"
-        (bin_dir / tool).write_text(f"#!/bin/sh\ncat '{source}'\n")
+    (bin_dir / "nvidia-smi").write_text(
+        f'#!/bin/sh\nexec {sys.executable} {STANDIN_NVIDIA_SMI} {bin_dir / "nvidia-smi.csv"} -- "$@"\n'
+    )
+    (bin_dir / "dmesg").write_text(f"#!/bin/sh\ncat '{FIXTURES / 'dmesg-xid.txt'}'\n")
+    for tool in ("nvidia-smi", "dmesg"):
         (bin_dir / tool).chmod(0o755)
 
 
