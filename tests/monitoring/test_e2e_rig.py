@@ -148,6 +148,8 @@ def render_prometheus(config_dir: Path, inventory: Path, port: int, am_port: int
         job.pop("scrape_interval", None)
         if job["job_name"] == "prometheus":
             job["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
+        if job["job_name"] == "alertmanager":
+            job["static_configs"][0]["targets"] = [f"127.0.0.1:{am_port}"]
     path = config_dir / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     render_rules(config_dir / "rules")
@@ -268,7 +270,7 @@ def test_every_target_is_up(stack: Stack) -> None:
         (job, host)
         for job in ("node", "rlm-exporter", "rlm-trainer")
         for host in ("node1", "node2", "node3")
-    } | {("prometheus", "")}  # no dcgm/AMD targets: the rig's hosts have rlm_gpu_vendor none
+    } | {("prometheus", ""), ("alertmanager", "")}  # no dcgm/AMD: rlm_gpu_vendor none
 
     def all_up() -> bool:
         found = targets()

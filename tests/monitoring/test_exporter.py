@@ -71,7 +71,7 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         [sys.executable, "-c", "import time; time.sleep(60)", "-m", "trainer", "train"]
     )
     try:
-        port = run_exporter("--run-root", str(runs), "--interval", "0.5", "--expected-gpus", "8")
+        port = run_exporter("--run-root", str(runs), "--interval", "2", "--expected-gpus", "8")
         samples = wait_for(
             lambda: (
                 (s := scrape(port)) and "rlm_run_step" in names(s) and GPU_SERIES in names(s) and s
@@ -187,7 +187,7 @@ def test_partial_nvidia_output_exports_the_readable_gpus_and_counts_the_error(
         "dmesg",
         "echo 'dmesg: read kernel buffer failed: Operation not permitted' >&2; exit 1",
     )
-    port = run_exporter("--gpu-source", "nvidia-smi", "--interval", "0.5")
+    port = run_exporter("--gpu-source", "nvidia-smi", "--interval", "2")
     samples = wait_for(
         lambda: (s := scrape(port)) and value(s, GPU_SERIES, gpu="0", uuid=uuid(0)) and s,
         what="GPU series",
@@ -218,7 +218,7 @@ def test_gpu_that_falls_off_the_bus_stays_visible_with_its_xid(tool_bin, run_exp
     install_tool(
         tool_bin, "dmesg", f"[ \"$(cat '{state}')\" = healthy ] || {printing('dmesg-xid.txt')}"
     )
-    port = run_exporter("--gpu-source", "nvidia-smi", "--interval", "0.3", "--expected-gpus", "8")
+    port = run_exporter("--gpu-source", "nvidia-smi", "--interval", "2", "--expected-gpus", "8")
     wait_for(lambda: value(scrape(port), "rlm_gpus_seen") == 8, what="8 GPUs")
     gone = {"gpu": "2", "uuid": uuid(2), "pci_bus": "0000:3a:00"}
     state.write_text("partial")
