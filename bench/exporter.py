@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from trainer.rundir import RunDir, write_manifest  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "monitoring" / "fixtures"
-RECORDED_NAME_COLUMNS = ", NVIDIA H100 80GB HBM3, 550.54.15"
+STANDIN = ROOT / "tests" / "monitoring" / "nvidia_smi_standin.py"
 REFRESH_INTERVAL_S = 1.0  # 10x faster than the default, so the background cost shows quickly
 
 
@@ -40,8 +40,8 @@ def free_port() -> int:
 
 def fake_tools(bin_dir: Path) -> None:
     bin_dir.mkdir()
-    # The recording predates the query's last two fields (tests/monitoring/conftest.py).
-    nvidia = f"sed -E '/^[0-9]/ s/$/{RECORDED_NAME_COLUMNS}/' '{FIXTURES / 'nvidia-smi-8gpu.csv'}'"
+    # nvidia-smi answers each grouped query from the fixture (tests/monitoring/nvidia_smi_standin.py).
+    nvidia = f"exec '{sys.executable}' '{STANDIN}' '{FIXTURES / 'nvidia-smi-8gpu.csv'}' -- \"$@\""
     for name, command in (("nvidia-smi", nvidia), ("dmesg", f"cat '{FIXTURES / 'dmesg-xid.txt'}'")):
         path = bin_dir / name
         path.write_text(f"#!/bin/sh\n{command}\n")

@@ -54,7 +54,7 @@ class Source:
         self, name: str, probe: Callable[[], Any], interval_s: float, errors: ErrorCounts
     ) -> None:
         self.name = name
-        self._probe = probe
+        self.probe = probe
         self._errors = errors
         self.interval_s = interval_s
         # The probe's own timeout is interval-bound, so three intervals means it is stuck.
@@ -75,7 +75,7 @@ class Source:
 
     def refresh(self) -> None:
         try:
-            result, ok = self._probe(), True
+            result, ok = self.probe(), True
         except Exception as error:  # a source must never take the exporter down
             result, ok = None, False
             self._errors.count(self.name, error)
@@ -98,25 +98,42 @@ class Source:
 
 
 class ErrorCounts:
-    """Errors per source (vendor tool, dmesg, rundir, sharedfs).
+    """Errors per source (vendor tool, dmesg, rundir, sharedfs), each counter present from 0.
 
-    Each new message is logged once; a tool failing the same way every interval does not flood
-    the log, the counter keeps counting.
+    Logging is rate-limited per source: at most one line per `log_every_s`, saying how many
+    errors it did not print, so a source failing every interval (or partly working, with two
+    different complaints) does not flood the journal; the counter keeps counting every error.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        sources: Iterable[str] = (),
+        log_every_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._lock = threading.Lock()
-        self.counts: dict[str, int] = {}
-        self._last_message: dict[str, str] = {}
+        self.counts: dict[str, int] = dict.fromkeys(sources, 0)
+        self.log_every_s = log_every_s
+        self._clock = clock
+        self._last_logged: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+
+    def add_source(self, source: str) -> None:
+        with self._lock:
+            self.counts.setdefault(source, 0)
 
     def count(self, source: str, error: BaseException | str) -> None:
-        message = str(error)[:300]
+        now = self._clock()
         with self._lock:
             self.counts[source] = self.counts.get(source, 0) + 1
-            repeated = self._last_message.get(source) == message
-            self._last_message[source] = message
-        if not repeated:
-            log.warning("%s: %s", source, message)
+            last = self._last_logged.get(source)
+            if last is not None and now - last < self.log_every_s:
+                self._unlogged[source] = self._unlogged.get(source, 0) + 1
+                return
+            self._last_logged[source] = now
+            unlogged = self._unlogged.pop(source, 0)
+        more = f" ({unlogged} more errors since the last line)" if unlogged else ""
+        log.warning("%s: %s%s", source, str(error)[:300], more)
 
     def items(self) -> list[tuple[str, int]]:
         with self._lock:
@@ -127,20 +144,32 @@ class ErrorCounts:
 @dataclass
 class GpuSnapshot:
     gpus: list[gpu.GpuReading]
-    xids: dict[str, int] | None  # GPU index → XID events seen; None when unknown
+
+
+def pci_label(bus: tuple[int, int, int] | None) -> str:
+    return "" if bus is None else "{:04x}:{:02x}:{:02x}".format(*bus)
 
 
 class GpuProbe:
-    """Runs the vendor tool (and, for NVIDIA, reads XID events from the kernel log)."""
+    """Runs the vendor tool; remembers every GPU it has listed since the exporter started.
+
+    A GPU that falls off the bus is no longer listed: the remembered identity (index, UUID, PCI
+    address) keeps `rlm_gpu_present` at 0 for it and names its XIDs.
+    """
 
     def __init__(self, source: str, timeout_s: float, errors: ErrorCounts) -> None:
         self.source = source
         self.timeout_s = timeout_s
         self.errors = errors
-        self._xid_lines: dict[tuple[int, int, int], set[str]] = {}
+        self._lock = threading.Lock()
+        self._known: dict[str, gpu.GpuReading] = {}  # identity key -> the newest reading
+
+    @staticmethod
+    def key(reading: gpu.GpuReading) -> str:
+        return reading.uuid or pci_label(reading.pci_bus) or f"index-{reading.gpu}"
 
     def __call__(self) -> GpuSnapshot:
-        output = gpu.run_tool(gpu.COMMANDS[self.source], self.timeout_s)
+        output = gpu.run_tool(gpu.COMMANDS[self.source], self.timeout_s, self.source)
         if output.returncode != 0:
             message = f"{self.source} exited with {output.returncode}: {output.stderr_tail}"
             if not output.stdout.strip():
@@ -151,25 +180,39 @@ class GpuProbe:
             raise gpu.ToolError(f"{self.source} reported no GPUs: {'; '.join(parsed.problems)}")
         for problem in parsed.problems:
             self.errors.count(self.source, problem)
-        xids = self._xids(parsed.gpus) if self.source == "nvidia-smi" else None
-        return GpuSnapshot(parsed.gpus, xids)
+        with self._lock:
+            self._known.update((self.key(reading), reading) for reading in parsed.gpus)
+        return GpuSnapshot(parsed.gpus)
 
-    def _xids(self, gpus: list[gpu.GpuReading]) -> dict[str, int] | None:
-        """XID events per GPU since boot, as far as the kernel ring buffer still holds them.
+    def known(self) -> list[gpu.GpuReading]:
+        with self._lock:
+            return list(self._known.values())
 
-        Lines are remembered, so events that rotate out of the ring buffer are not lost and the
-        count only grows: a counter, so alerts can use increase() over a window.
-        """
-        try:
-            output = gpu.run_tool(gpu.DMESG_COMMAND, self.timeout_s)
-            if output.returncode != 0:
-                raise gpu.ToolError(f"dmesg exited with {output.returncode}: {output.stderr_tail}")
-        except gpu.ToolError as error:
-            self.errors.count("dmesg", error)
-            return None
-        for bus, lines in gpu.count_xids(output.stdout).items():
-            self._xid_lines.setdefault(bus, set()).update(lines)
-        return {g.gpu: len(self._xid_lines.get(g.pci_bus, ())) for g in gpus if g.pci_bus}
+    def by_bus(self) -> dict[tuple[int, int, int], gpu.GpuReading]:
+        return {r.pci_bus: r for r in self.known() if r.pci_bus is not None}
+
+
+class KernelLogProbe:
+    """XID events per (PCI address, code) since boot, from the kernel log (NVIDIA only).
+
+    Runs on its own, so XIDs are read when the SMI tool fails or no longer lists the GPU. Lines
+    are remembered, so events that rotate out of the ring buffer are not lost and the counts only
+    grow: counters, for increase() over a window.
+    """
+
+    def __init__(self, source: str, timeout_s: float) -> None:
+        self.command, self.xid_events = gpu.KERNEL_LOGS[source]
+        self.timeout_s = timeout_s
+        self._lines: dict[tuple[tuple[int, int, int], int], set[str]] = {}
+
+    def __call__(self) -> dict[tuple[tuple[int, int, int], int], int]:
+        output = gpu.run_tool(self.command, self.timeout_s, "dmesg")
+        if output.returncode != 0:
+            raise gpu.ToolError(f"dmesg exited with {output.returncode}: {output.stderr_tail}")
+        for bus, events in self.xid_events(output.stdout).items():
+            for code, line in events:
+                self._lines.setdefault((bus, code), set()).add(line)
+        return {key: len(lines) for key, lines in self._lines.items()}
 
 
 # Run directories --------------------------------------------------------------------------------
@@ -356,17 +399,22 @@ class RlmCollector(Collector):
         runs: Source | None,
         filesystem: Source | None,
         errors: ErrorCounts,
+        kernel_log: Source | None = None,
+        expected_gpus: int | None = None,
     ) -> None:
         self.gpu_source = gpu_source
         self.errors = errors
-        self.sources = {s.name: s for s in (gpu_state, runs, filesystem) if s}
+        self.sources = {s.name: s for s in (gpu_state, kernel_log, runs, filesystem) if s}
         self.gpu_state = gpu_state
+        self.kernel_log = kernel_log
+        self.expected_gpus = expected_gpus
         self.runs = runs
         self.filesystem = filesystem
 
     def collect(self) -> Iterator[Metric]:
         yield from self._exporter_metrics()
         yield from self._gpu_metrics()
+        yield from self._xid_metrics()
         yield from self._run_metrics()
         yield from self._filesystem_metrics()
         yield from self._process_metrics()
@@ -401,24 +449,67 @@ class RlmCollector(Collector):
     def _gpu_metrics(self) -> Iterator[Metric]:
         if self.gpu_state is None:
             return
+        if self.expected_gpus is not None:
+            expected = GaugeMetricFamily(
+                "rlm_gpus_expected", "GPUs this node should have (rlm_gpus_per_node)"
+            )
+            expected.add_metric([], self.expected_gpus)
+            yield expected
         _, snapshot = self.gpu_state.snapshot()
-        if snapshot is None:
-            return
+        listed = snapshot.gpus if snapshot is not None else []
+        seen = GaugeMetricFamily(
+            "rlm_gpus_seen", "GPUs the vendor tool listed in its newest read (0 when it failed)"
+        )
+        seen.add_metric([], len(listed))
+        yield seen
+        probe: GpuProbe = self.gpu_state.probe
+        listed_keys = {probe.key(r) for r in listed}
+        present = GaugeMetricFamily(
+            "rlm_gpu_present",
+            "1 while the vendor tool lists this GPU; 0 for one listed earlier that is gone",
+            labels=["gpu", "uuid", "pci_bus"],
+        )
+        info = GaugeMetricFamily(
+            "rlm_gpu_info",
+            "Identity of each GPU seen since the exporter started",
+            labels=["gpu", "uuid", "serial", "pci_bus", "name", "driver"],
+        )
+        for reading in sorted(probe.known(), key=lambda r: (int(r.gpu), probe.key(r))):
+            bus = pci_label(reading.pci_bus)
+            present.add_metric(
+                [reading.gpu, reading.uuid or "", bus],
+                1 if probe.key(reading) in listed_keys else 0,
+            )
+            identity = (reading.serial, reading.name, reading.driver)
+            info.add_metric([reading.gpu, reading.uuid or "", identity[0] or "", bus,
+                             identity[1] or "", identity[2] or ""], 1)  # fmt: skip
+        yield from (present, info)
         for attribute, family_type, name, documentation in GPU_FAMILIES:
-            family = family_type(name, documentation, labels=["gpu"])
-            for reading in snapshot.gpus:
+            family = family_type(name, documentation, labels=["gpu", "uuid"])
+            for reading in listed:
                 value = getattr(reading, attribute)
                 if value is not None:
-                    family.add_metric([reading.gpu], value)
+                    family.add_metric([reading.gpu, reading.uuid or ""], value)
             if family.samples:
                 yield family
-        if snapshot.xids is not None:
-            xid = CounterMetricFamily(
-                "rlm_gpu_xid_errors", "NVIDIA XID events seen in the kernel log", labels=["gpu"]
-            )
-            for index, count in sorted(snapshot.xids.items()):
-                xid.add_metric([index], count)
-            yield xid
+
+    def _xid_metrics(self) -> Iterator[Metric]:
+        if self.kernel_log is None or self.gpu_state is None:
+            return
+        _, counts = self.kernel_log.snapshot()
+        if counts is None:
+            return
+        by_bus = self.gpu_state.probe.by_bus()
+        xid = CounterMetricFamily(
+            "rlm_gpu_xid_errors",
+            "NVIDIA XID events in the kernel log since boot, per GPU and XID code",
+            labels=["gpu", "uuid", "pci_bus", "xid"],
+        )
+        for (bus, code), count in sorted(counts.items()):
+            reading = by_bus.get(bus)  # None: a GPU the tool never listed since we started
+            identity = [reading.gpu, reading.uuid or ""] if reading else ["", ""]
+            xid.add_metric([*identity, pci_label(bus), str(code)], count)
+        yield xid
 
     def _run_metrics(self) -> Iterator[Metric]:
         if self.runs is None:
@@ -557,20 +648,28 @@ def default_address() -> str:
 
 
 def build_collector(args: argparse.Namespace) -> RlmCollector:
-    errors = ErrorCounts()
     source = gpu.detect_source() if args.gpu_source == "auto" else args.gpu_source
     source = None if source == "none" else source
     timeout_s = min(args.interval, 10.0)
-    gpu_state = runs = filesystem = None
+    gpu_state = kernel_log = runs = filesystem = None
+    errors = ErrorCounts()
     if source:
         gpu_state = Source(source, GpuProbe(source, timeout_s, errors), args.interval, errors)
+        if source in gpu.KERNEL_LOGS:
+            probe = KernelLogProbe(source, timeout_s)
+            kernel_log = Source("dmesg", probe, args.interval, errors)
     if args.run_root or args.run_dir:
         probe = RunProbe(args.run_root, args.run_dir, errors)
         runs = Source("rundir", probe, args.interval, errors)
     shared = args.shared_dir or (args.run_root[0] if args.run_root else None)
     if shared:
         filesystem = Source("sharedfs", lambda: probe_filesystem(shared), args.interval, errors)
-    return RlmCollector(source, gpu_state, runs, filesystem, errors)
+    collector = RlmCollector(
+        source, gpu_state, runs, filesystem, errors, kernel_log, args.expected_gpus
+    )
+    for name in collector.sources:
+        errors.add_source(name)  # every error counter exists from 0, for rate()/increase()
+    return collector
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -593,6 +692,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--gpu-source", choices=("auto", "none", *gpu.SOURCES), default="auto")
     parser.add_argument(
+        "--expected-gpus",
+        type=int,
+        help="GPUs this node should have (rlm_gpus_per_node): exported for the GpuMissing alert",
+    )
+    parser.add_argument(
         "--interval", type=float, default=10.0, help="seconds between background reads"
     )
     parser.add_argument(
@@ -603,6 +707,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.interval <= 0:
         parser.error("--interval must be positive, e.g. --interval 10")
+    if args.expected_gpus is not None and args.expected_gpus < 0:
+        parser.error("--expected-gpus must be 0 or more, e.g. --expected-gpus 8")
     return args
 
 

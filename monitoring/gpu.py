@@ -8,27 +8,37 @@ subprocess with a timeout. A field the tool reports as unavailable (`[N/A]`, `N/
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 from dataclasses import dataclass
 
+import psutil
+
 from clusterspec import vendors
-from clusterspec.vendors import nvidia
 from clusterspec.vendors.readings import GpuReading, ParseResult, ToolError
 
-__all__ = ["COMMANDS", "PARSERS", "SOURCES", "GpuReading", "ParseResult", "ToolError"]
+__all__ = [
+    "COMMANDS",
+    "KERNEL_LOGS",
+    "PARSERS",
+    "SOURCES",
+    "GpuReading",
+    "ParseResult",
+    "ToolError",
+]
 
 # Tool name -> command and parser, in auto-detection order (newer AMD tool before rocm-smi).
 COMMANDS = {tool: module.TOOLS[tool] for tool, module in vendors.tools().items()}
 PARSERS = {tool: module.PARSERS[tool] for tool, module in vendors.tools().items()}
 SOURCES = tuple(COMMANDS)
-DMESG_COMMAND = nvidia.KERNEL_LOG
-
-
-def count_xids(text: str) -> dict[tuple[int, int, int], list[str]]:
-    """XID lines of a kernel log, grouped by the GPU's PCI (domain, bus, device)."""
-    return {bus: [line for _, line in events] for bus, events in nvidia.xid_events(text).items()}
+# Tool name -> its vendor's kernel-log command and XID reader (None where the vendor has none).
+KERNEL_LOGS = {
+    tool: (module.KERNEL_LOG, module.xid_events)
+    for tool, module in vendors.tools().items()
+    if module.KERNEL_LOG
+}
 
 
 @dataclass
@@ -38,12 +48,15 @@ class ToolOutput:
     stderr_tail: str
 
 
-def run_tool(command: tuple[str, ...], timeout_s: float) -> ToolOutput:
-    """Run `command`; ToolError when it is missing or outlives `timeout_s` (it is then killed).
+def run_tool(command: tuple[str, ...], timeout_s: float, name: str | None = None) -> ToolOutput:
+    """Run `command`; ToolError when it is missing or outlives `timeout_s`.
 
+    A hung tool is killed with everything it started (its session, and any child that left it)
+    and reaped, without waiting for its pipes: a child that escaped the kill may hold them open.
     A non-zero exit is returned, not raised: nvidia-smi exits non-zero when one GPU has fallen
     off the bus but still prints the others, which are worth exporting.
     """
+    name = name or command[0]
     try:
         process = subprocess.Popen(
             command,
@@ -53,17 +66,34 @@ def run_tool(command: tuple[str, ...], timeout_s: float) -> ToolOutput:
             start_new_session=True,  # so a hung tool and anything it spawned can be killed together
         )
     except OSError as error:
-        raise ToolError(f"cannot run {command[0]}: {error.strerror}") from None
+        raise ToolError(f"cannot run {name}: {error.strerror}") from None
     try:
         out, err = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise ToolError(f"{command[0]} did not finish within {timeout_s:g} s") from None
+        kill_tree(process)
+        raise ToolError(f"{name} did not finish within {timeout_s:g} s") from None
     lines = err.decode(errors="replace").strip().splitlines()
     return ToolOutput(
         out.decode(errors="replace"), process.returncode, lines[-1][:200] if lines else ""
     )
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL `process`, its process group and its descendants; reap it; close its pipes."""
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    for pipe in (process.stdout, process.stderr):
+        if pipe:
+            pipe.close()
+    process.wait(timeout=5)  # SIGKILL cannot be ignored: this returns at once
+    psutil.wait_procs(children, timeout=1)
 
 
 def detect_source() -> str | None:

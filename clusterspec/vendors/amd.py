@@ -33,7 +33,8 @@ TOPOLOGY = amd_topology
 BANDWIDTH_TEST = "all_reduce_perf"  # rccl-tests
 
 AMD_SMI = ("amd-smi", "metric", "--json")
-ROCM_SMI = ("rocm-smi", "--showallinfo", "--json")
+# --showallinfo prints no VRAM usage; --showmeminfo vram adds it (rocm-smi 5.x source).
+ROCM_SMI = ("rocm-smi", "--showallinfo", "--showmeminfo", "vram", "--json")
 # Detection order: the current tool before the deprecated one.
 TOOLS = {"amd-smi": AMD_SMI, "rocm-smi": ROCM_SMI}
 KERNEL_LOG = None  # no XID-like kernel messages; RAS errors arrive as ECC counts below
@@ -110,42 +111,56 @@ def _first(card: dict, *keys: str) -> float | None:
     return None
 
 
+# The keys parse_rocm_smi reads: card keys, then the "system" key. tests/monitoring checks each
+# against the real rocm-smi's source (Debian's rocm-smi 5.2.3).
+ROCM_SMI_KEYS = {
+    "use": "GPU use (%)",
+    "vram_used": "VRAM Total Used Memory (B)",
+    "vram_total": "VRAM Total Memory (B)",
+    "temperature": "Temperature (Sensor junction) (C)",
+    "temperature_fallback": "Temperature (Sensor edge) (C)",
+    "power": "Average Graphics Package Power (W)",
+    "power_limit": "Max Graphics Package Power (W)",
+    "name": "Card series",
+    "uuid": "Unique ID",
+    "serial": "Serial Number",
+    "driver": "Driver version",
+}
+
+
 def parse_rocm_smi(text: str) -> ParseResult:
-    """Parse `rocm-smi --showallinfo --json`: {"card0": {"GPU use (%)": "12", ...}, "system": ...}."""
+    """Parse `rocm-smi --showallinfo --showmeminfo vram --json`: {"card0": {"GPU use (%)": "12",
+    ...}, "system": {"Driver version": ...}}. Without a GPU it prints nothing on stdout."""
     try:
         data = json.loads(text[text.index("{") :] if "{" in text else text)
     except ValueError as error:
         raise ToolError("rocm-smi printed no JSON (" + str(error)[:80] + ")") from None
     if not isinstance(data, dict):
         raise ToolError("rocm-smi JSON is not an object keyed by card")
+    key = ROCM_SMI_KEYS
     system = data.get("system") if isinstance(data.get("system"), dict) else {}
-    driver = text_or_none(system.get("Driver version"))
+    driver = text_or_none(system.get(key["driver"]))
     gpus, problems = [], []
-    for key, card in data.items():
-        match = re.fullmatch(r"card(\d+)", key)
+    for card_key, card in data.items():
+        match = re.fullmatch(r"card(\d+)", card_key)
         if not match:
             continue  # "system" holds driver versions
         if not isinstance(card, dict):
-            problems.append("rocm-smi " + key + " is not an object")
+            problems.append("rocm-smi " + card_key + " is not an object")
             continue
-        name = card.get("Card Series") or card.get("Card series") or card.get("Device Name")
         gpus.append(
             GpuReading(
                 gpu=match.group(1),
-                utilization_ratio=scaled(_first(card, "GPU use (%)"), 0.01),
-                memory_used_bytes=_first(card, "VRAM Total Used Memory (B)"),
-                memory_total_bytes=_first(card, "VRAM Total Memory (B)"),
-                temperature_celsius=_first(
-                    card, "Temperature (Sensor junction) (C)", "Temperature (Sensor edge) (C)"
-                ),
-                power_watts=_first(
-                    card,
-                    "Current Socket Graphics Package Power (W)",
-                    "Average Graphics Package Power (W)",
-                ),
-                power_limit_watts=_first(card, "Max Graphics Package Power (W)"),
-                name=text_or_none(name),
+                utilization_ratio=scaled(_first(card, key["use"]), 0.01),
+                memory_used_bytes=_first(card, key["vram_used"]),
+                memory_total_bytes=_first(card, key["vram_total"]),
+                temperature_celsius=_first(card, key["temperature"], key["temperature_fallback"]),
+                power_watts=_first(card, key["power"]),
+                power_limit_watts=_first(card, key["power_limit"]),
+                name=text_or_none(card.get(key["name"])),
                 driver=driver,
+                uuid=text_or_none(card.get(key["uuid"])),
+                serial=text_or_none(card.get(key["serial"])),
             )
         )
     return ParseResult(gpus, problems)

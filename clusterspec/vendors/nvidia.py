@@ -30,23 +30,45 @@ EXPORTER_JOB = ("dcgm", 9400)
 TOPOLOGY = nvidia_topology
 BANDWIDTH_TEST = "all_reduce_perf"  # nccl-tests
 
-# nvidia-smi --query-gpu fields, in the order the CSV columns come back.
-FIELDS = (
-    "index",
-    "pci.bus_id",
-    "utilization.gpu",
-    "memory.used",
-    "memory.total",
-    "temperature.gpu",
-    "power.draw",
-    "enforced.power.limit",
-    "ecc.errors.uncorrected.volatile.total",
-    "ecc.errors.corrected.volatile.total",
-    "clocks_throttle_reasons.sw_power_cap",
-    "name",
-    "driver_version",
+# nvidia-smi --query-gpu fields, in groups: one unknown field fails a whole query ("Field ... is
+# not a valid field to query"), so a field an older driver lacks costs only its own group. Every
+# group starts with `index` so the rows can be joined. clocks_event_reasons.* is the current name
+# (clocks_throttle_reasons.* are deprecated aliases).
+QUERY_GROUPS = (
+    ("index", "pci.bus_id", "uuid", "serial", "name", "driver_version"),
+    (
+        "index",
+        "utilization.gpu",
+        "memory.used",
+        "memory.total",
+        "temperature.gpu",
+        "power.draw",
+        "enforced.power.limit",
+    ),
+    ("index", "ecc.errors.uncorrected.volatile.total", "ecc.errors.corrected.volatile.total"),
+    ("index", "clocks_event_reasons.sw_power_cap"),
 )
-NVIDIA_SMI = ("nvidia-smi", "--query-gpu=" + ",".join(FIELDS), "--format=csv,noheader,nounits")
+FIELDS = tuple(dict.fromkeys(field for group in QUERY_GROUPS for field in group))
+# Marker lines between the groups' outputs (nvidia-smi never prints a line starting with "#").
+GROUP_MARK = "# rlm-query "
+EXIT_MARK = "# rlm-exit "
+
+
+def _grouped_query(groups: tuple) -> tuple:
+    """One command (sh) that runs one nvidia-smi query per group and marks each output; it exits
+    with the first group's status (the one that lists the GPUs)."""
+    parts = []
+    for i, group in enumerate(groups):
+        query = ",".join(group)
+        parts.append(
+            "echo '" + GROUP_MARK + query + "'; "
+            "nvidia-smi --query-gpu=" + query + " --format=csv,noheader,nounits 2>&1; "
+            "s=$?; echo '" + EXIT_MARK + "'$s" + ("; first=$s" if i == 0 else "")
+        )
+    return ("sh", "-c", "; ".join(parts) + "; exit $first")
+
+
+NVIDIA_SMI = _grouped_query(QUERY_GROUPS)
 # Tool name -> the command whose output its parser reads; detection order.
 TOOLS = {"nvidia-smi": NVIDIA_SMI}
 # The kernel ring buffer is where the driver reports XID events (reading it usually needs root).
@@ -70,38 +92,76 @@ PEAK_BF16_FLOPS = {
 BUSBW_FLOORS_GBPS = {"A100": 228.0, "H100": 460.0, "H200": 480.0}
 
 
-def parse_nvidia_smi(text: str, fields: tuple[str, ...] = FIELDS) -> ParseResult:
-    """Parse `nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits`; `fields` is what
-    was asked for (recordings made with an older field list say theirs)."""
-    gpus, problems = [], []
-    for row in csv.reader(line for line in text.splitlines() if line.strip()):
-        cells = [cell.strip() for cell in row]
-        if len(cells) != len(fields) or not cells[0].isdigit():
-            problems.append("unreadable nvidia-smi line: " + ",".join(cells)[:120])
-            continue
-        values = dict(zip(fields, cells))
-        bus = re.fullmatch(
-            r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.\d", values.get("pci.bus_id", "")
-        )
-        throttle = values.get("clocks_throttle_reasons.sw_power_cap", "").lower()
-        gpus.append(
-            GpuReading(
-                gpu=values["index"],
-                utilization_ratio=scaled(number(values.get("utilization.gpu")), 0.01),
-                memory_used_bytes=scaled(number(values.get("memory.used")), MIB),
-                memory_total_bytes=scaled(number(values.get("memory.total")), MIB),
-                temperature_celsius=number(values.get("temperature.gpu")),
-                power_watts=number(values.get("power.draw")),
-                power_limit_watts=number(values.get("enforced.power.limit")),
-                ecc_uncorrected_total=number(values.get("ecc.errors.uncorrected.volatile.total")),
-                ecc_corrected_total=number(values.get("ecc.errors.corrected.volatile.total")),
-                power_throttled={"active": 1.0, "not active": 0.0}.get(throttle),
-                name=text_or_none(values.get("name")),
-                driver=text_or_none(values.get("driver_version")),
-                pci_bus=pci_key(*bus.groups()) if bus else None,
-            )
-        )
-    return ParseResult(gpus, problems)
+def _sections(text: str, fields: tuple) -> list:
+    """(fields, lines, exit status or None) per query group of the output."""
+    if GROUP_MARK not in text:
+        return [(fields, text.splitlines(), None)]  # one plain --query-gpu output
+    sections: list = []
+    for line in text.splitlines():
+        if line.startswith(GROUP_MARK):
+            sections.append((tuple(line[len(GROUP_MARK) :].strip().split(",")), [], None))
+        elif line.startswith(EXIT_MARK) and sections:
+            status = line[len(EXIT_MARK) :].strip()
+            group, lines, _ = sections[-1]
+            sections[-1] = (group, lines, int(status) if status.isdigit() else None)
+        elif sections:
+            sections[-1][1].append(line)
+    return sections
+
+
+def parse_nvidia_smi(text: str, fields: tuple = FIELDS) -> ParseResult:
+    """Parse the grouped query (NVIDIA_SMI), or one `--query-gpu=<fields>
+    --format=csv,noheader,nounits` output (`fields` says what was asked for)."""
+    rows: dict = {}
+    problems: list = []
+    for group, lines, status in _sections(text, fields):
+        unreadable, readable = [], 0
+        for row in csv.reader(line for line in lines if line.strip()):
+            cells = [cell.strip() for cell in row]
+            if len(cells) != len(group) or not cells[0].isdigit():
+                unreadable.append("unreadable nvidia-smi line: " + ",".join(cells)[:120])
+                continue
+            readable += 1
+            rows.setdefault(int(cells[0]), {}).update(zip(group, cells))
+        if status and not readable:  # the whole group was refused: say which fields and why
+            message = next((line.strip() for line in lines if line.strip()), "no output")
+            unreadable = [
+                "nvidia-smi rejected "
+                + ",".join(group[1:])
+                + " (exit "
+                + str(status)
+                + "): "
+                + message[:120]
+            ]
+        problems += unreadable
+    gpus = [_reading(rows[index]) for index in sorted(rows)]
+    return ParseResult(gpus, list(dict.fromkeys(problems)))
+
+
+def _reading(values: dict) -> GpuReading:
+    bus = re.fullmatch(
+        r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.\d", values.get("pci.bus_id", "")
+    )
+    throttle = values.get(
+        "clocks_event_reasons.sw_power_cap", values.get("clocks_throttle_reasons.sw_power_cap", "")
+    ).lower()
+    return GpuReading(
+        gpu=values["index"],
+        utilization_ratio=scaled(number(values.get("utilization.gpu")), 0.01),
+        memory_used_bytes=scaled(number(values.get("memory.used")), MIB),
+        memory_total_bytes=scaled(number(values.get("memory.total")), MIB),
+        temperature_celsius=number(values.get("temperature.gpu")),
+        power_watts=number(values.get("power.draw")),
+        power_limit_watts=number(values.get("enforced.power.limit")),
+        ecc_uncorrected_total=number(values.get("ecc.errors.uncorrected.volatile.total")),
+        ecc_corrected_total=number(values.get("ecc.errors.corrected.volatile.total")),
+        power_throttled={"active": 1.0, "not active": 0.0}.get(throttle),
+        name=text_or_none(values.get("name")),
+        driver=text_or_none(values.get("driver_version")),
+        uuid=text_or_none(values.get("uuid")),
+        serial=text_or_none(values.get("serial")),
+        pci_bus=pci_key(*bus.groups()) if bus else None,
+    )
 
 
 PARSERS = {"nvidia-smi": parse_nvidia_smi}

@@ -32,6 +32,8 @@ class GpuReading:
     power_throttled: float | None = None
     name: str | None = None  # product name (the SKU the peak/floor tables are keyed by)
     driver: str | None = None
+    uuid: str | None = None  # stable identity: the index can change after a GPU falls off
+    serial: str | None = None  # board serial, what an RMA asks for
     pci_bus: tuple[int, int, int] | None = field(default=None, repr=False)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -14,8 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitoring import exporter
+from tests.monitoring.nvidia_smi_standin import RECORDED_FIELDS
 
 FIXTURES = Path(__file__).parent / "fixtures"
+__all__ = ["RECORDED_FIELDS"]  # the columns of the nvidia-smi recordings
 
 
 def install_tool(bin_dir: Path, name: str, script: str) -> Path:
@@ -31,14 +34,17 @@ def printing(fixture: str, exit_code: int = 0) -> str:
     return f"cat '{FIXTURES / fixture}'\nexit {exit_code}"
 
 
-# The nvidia-smi recordings (an 8× H100 80GB HBM3 node, driver 550.54.15) predate the last two
-# query fields, `name` and `driver_version`; the stand-in appends those two columns to each GPU row.
-RECORDED_NAME_COLUMNS = ", NVIDIA H100 80GB HBM3, 550.54.15"
+STANDIN_NVIDIA_SMI = Path(__file__).parent / "nvidia_smi_standin.py"
 
 
-def printing_nvidia(fixture: str, exit_code: int = 0) -> str:
-    rows = f"sed -E '/^[0-9]/ s/$/{RECORDED_NAME_COLUMNS}/' '{FIXTURES / fixture}'"
-    return f"{rows}\nexit {exit_code}"
+def printing_nvidia(fixture: str, exit_code: int = 0, reject: tuple[str, ...] = ()) -> str:
+    """nvidia-smi answering each --query-gpu from a recording (see nvidia_smi_standin.py);
+    `reject` names fields this stand-in's driver does not know."""
+    options = [f"--exit {exit_code}", *(f"--reject {field}" for field in reject)]
+    return (
+        f"exec '{sys.executable}' '{STANDIN_NVIDIA_SMI}' '{FIXTURES / fixture}' "
+        f'{" ".join(options)} -- "$@"'
+    )
 
 
 @pytest.fixture
@@ -58,7 +64,9 @@ def scrape(port: int) -> Samples:
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            # An empty label is no label, as Prometheus stores it.
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if v))
+            samples[(sample.name, labels)] = sample.value
     return samples
 
 

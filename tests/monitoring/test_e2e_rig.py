@@ -1,21 +1,28 @@
 """The monitoring chain end to end on the multi-host rig, with the real Debian binaries.
 
 Three rig hosts run prometheus-node-exporter and rlm-exporter (GPU readings from a stand-in
-nvidia-smi printing recorded output; node2's GPU 3 runs hot), node1+node2 run a tiny training
+nvidia-smi answering from the fixture; node2's GPU 3 runs hot), node1+node2 run a tiny training
 run under torchrun/gloo on the shared directory. Prometheus on the real host scrapes them with the
 shipped config (targets generated from the rig's inventory by monitoring.file_sd, node3 in the
 `drained` group) and the shipped rules, rendered with `for: 0s`, 1 s intervals and a short stall
-threshold; it sends to a real Alertmanager running the shipped alertmanager.yml.
+threshold; it sends to a real Alertmanager running the shipped routing with its receivers
+rendered by monitoring.alertmanager_config: one webhook, a real HTTP server in this test, which
+must receive the firing and then the resolved notification of a stopped trainer and of a killed
+exporter within DELIVERY_S (polled with a deadline, no sleeps).
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shlex
 import signal
 import socket
 import subprocess
+import sys
+import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -27,10 +34,10 @@ import psutil
 import pytest
 import yaml
 
-from monitoring import exporter, file_sd
+from monitoring import alertmanager_config, exporter, file_sd, rule_files
 from rlmctl.inventory import load
 from tests.monitoring import conftest
-from tests.monitoring.conftest import FIXTURES, RECORDED_NAME_COLUMNS
+from tests.monitoring.conftest import FIXTURES, STANDIN_NVIDIA_SMI
 from tests.monitoring.test_config import MONITORING, dashboard_queries, rules
 from tests.rig import Rig
 
@@ -39,6 +46,9 @@ VENV_BIN = ROOT / ".venv" / "bin"
 BINARIES = ("/usr/bin/prometheus", "/usr/bin/prometheus-alertmanager")
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
 STALL_SECONDS = 15  # the rendered rlm:tunable_training_stall_seconds (600 s in production)
+# Stated delivery time on this rig (1 s scrapes and evaluations, 1 s group_wait, 2 s
+# group_interval): a fault's notification reaches the webhook this long after it shows.
+DELIVERY_S = 45
 RUN = "e2e"
 
 pytestmark = [
@@ -63,6 +73,51 @@ def get_json(url: str) -> Any:
         return json.loads(response.read())
 
 
+class WebhookReceiver:
+    """A real HTTP endpoint Alertmanager delivers to: keeps every notification it received."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[float, dict[str, Any]]] = []
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with receiver._lock:
+                    receiver.received.append((time.monotonic(), json.loads(body)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/alerts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def alerts(self, name: str, status: str, since: float = 0.0) -> list[tuple[float, dict]]:
+        """(arrival time, alert) of each delivered alert `name` with `status`, after `since`."""
+        with self._lock:
+            return [
+                (at, alert)
+                for at, payload in self.received
+                if at >= since
+                for alert in payload["alerts"]
+                if alert["labels"]["alertname"] == name and alert["status"] == status
+            ]
+
+
+def render_alertmanager(out: Path, webhook_url: str) -> Path:
+    """The shipped routing with one webhook receiver, grouped and resent within seconds."""
+    config = alertmanager_config.render({"rlm_alert_webhook_url": webhook_url})
+    routes = [config["route"], *config["route"]["routes"]]
+    for route in routes:
+        route.update(group_wait="1s", group_interval="2s")
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+    return out
+
+
 def wait_for(condition: Any, timeout_s: float, what: Any) -> Any:
     # Half-second polls: each poll of the stack is a handful of HTTP queries.
     return conftest.wait_for(condition, timeout_s, what, poll_s=0.5)
@@ -74,6 +129,7 @@ class Stack:
     shared: Path
     prometheus: str  # base URL
     alertmanager: str
+    webhook: WebhookReceiver
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         url = f"{self.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
@@ -107,18 +163,19 @@ def start_in_node(rig: Rig, host: str, name: str, command: str, state: Path) -> 
 
 
 def fake_nvidia_smi(bin_dir: Path, hot_gpu: int | None) -> None:
-    """A stand-in nvidia-smi printing the recorded 8-GPU output (optionally one GPU at 95 °C)."""
+    """A stand-in nvidia-smi answering from the 8-GPU fixture (optionally one GPU at 95 °C)."""
     bin_dir.mkdir(parents=True)
     rows = (FIXTURES / "nvidia-smi-8gpu.csv").read_text().splitlines()
     if hot_gpu is not None:
         cells = rows[hot_gpu].split(", ")
         cells[5] = "95"  # temperature.gpu
         rows[hot_gpu] = ", ".join(cells)
-    rows = [row + RECORDED_NAME_COLUMNS for row in rows]  # the exporter's two later fields
     (bin_dir / "nvidia-smi.csv").write_text("\n".join(rows) + "\n")
-    for tool, output in (("nvidia-smi", "nvidia-smi.csv"), ("dmesg", None)):
-        source = bin_dir / output if output else FIXTURES / "dmesg-xid.txt"
-        (bin_dir / tool).write_text(f"#!/bin/sh\ncat '{source}'\n")
+    (bin_dir / "nvidia-smi").write_text(
+        f'#!/bin/sh\nexec {sys.executable} {STANDIN_NVIDIA_SMI} {bin_dir / "nvidia-smi.csv"} -- "$@"\n'
+    )
+    (bin_dir / "dmesg").write_text(f"#!/bin/sh\ncat '{FIXTURES / 'dmesg-xid.txt'}'\n")
+    for tool in ("nvidia-smi", "dmesg"):
         (bin_dir / tool).chmod(0o755)
 
 
@@ -146,6 +203,8 @@ def render_prometheus(config_dir: Path, inventory: Path, port: int, am_port: int
         job.pop("scrape_interval", None)
         if job["job_name"] == "prometheus":
             job["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
+        if job["job_name"] == "alertmanager":
+            job["static_configs"][0]["targets"] = [f"127.0.0.1:{am_port}"]
     path = config_dir / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     render_rules(config_dir / "rules")
@@ -183,6 +242,14 @@ def trainer_command(shared: Path, node_rank: int) -> str:
     )
 
 
+def exporter_command(shared: Path, host: str) -> str:
+    bin_dir = shared / "e2e" / f"bin-{host}"
+    return (
+        f"env PATH={bin_dir}:/usr/bin:/bin {VENV_BIN}/rlm-exporter "
+        f"--run-root {shared}/runs --interval 1 --expected-gpus 8"
+    )
+
+
 def start_local(*argv: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
@@ -211,22 +278,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 f"{NODE_EXPORTER} --web.listen-address={host.ip}:9100", state,
             )  # fmt: skip
             start_in_node(
-                rig, host.name, "rlm-exporter",
-                f"env PATH={bin_dir}:/usr/bin:/bin {VENV_BIN}/rlm-exporter "
-                f"--run-root {shared}/runs --interval 1", state,
-            )  # fmt: skip
+                rig, host.name, "rlm-exporter", exporter_command(shared, host.name), state
+            )
         _, err = prepare.communicate(timeout=300)
         assert prepare.returncode == 0, err.decode()[-500:]
         for rank, host in enumerate(("node1", "node2")):
             start_in_node(rig, host, "trainer", trainer_command(shared, rank), state)
 
         prom_port, am_port = free_port(), free_port()
+        webhook = WebhookReceiver()
+        am_config = render_alertmanager(tmp / "alertmanager.yml", webhook.url)
         inventory = drained_inventory(rig, tmp / "inventory.yml")
         config = render_prometheus(tmp / "prometheus", inventory, prom_port, am_port)
         processes.append(
             start_local(
                 BINARIES[1],
-                f"--config.file={MONITORING / 'alertmanager' / 'alertmanager.yml'}",
+                f"--config.file={am_config}",
                 f"--storage.path={tmp / 'alertmanager-data'}",
                 f"--web.listen-address=127.0.0.1:{am_port}",
                 "--cluster.listen-address=",
@@ -242,7 +309,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 log=tmp / "prometheus.log",
             )
         )
-        yield Stack(rig, shared, f"http://127.0.0.1:{prom_port}", f"http://127.0.0.1:{am_port}")
+        yield Stack(
+            rig, shared, f"http://127.0.0.1:{prom_port}", f"http://127.0.0.1:{am_port}", webhook
+        )
     finally:
         for process in processes:
             process.terminate()
@@ -266,7 +335,7 @@ def test_every_target_is_up(stack: Stack) -> None:
         (job, host)
         for job in ("node", "rlm-exporter", "rlm-trainer")
         for host in ("node1", "node2", "node3")
-    } | {("prometheus", "")}  # no dcgm/AMD targets: the rig's hosts have rlm_gpu_vendor none
+    } | {("prometheus", ""), ("alertmanager", "")}  # no dcgm/AMD: rlm_gpu_vendor none
 
     def all_up() -> bool:
         found = targets()
@@ -310,22 +379,71 @@ def rank0_worker(stack: Stack) -> psutil.Process:
     return workers[0]
 
 
-def test_stopped_trainer_fires_training_stalled_and_resolves_when_continued(stack: Stack) -> None:
+def test_stopped_trainer_is_delivered_firing_then_resolved_to_the_webhook(stack: Stack) -> None:
+    """SIGSTOP rank 0: the webhook gets TrainingStalled (labels, absolute runbook link) within
+    the stall threshold + DELIVERY_S, and its resolved notification within DELIVERY_S of SIGCONT."""
     wait_for(
         lambda: not stack.alerts("TrainingStalled"), 120, "the run to make progress before the test"
     )
     worker = rank0_worker(stack)
+    stopped = time.monotonic()
     worker.suspend()  # SIGSTOP
     try:
         firing = wait_for(
-            lambda: stack.alerts("TrainingStalled"),
-            STALL_SECONDS + 90,
-            "TrainingStalled after SIGSTOP of rank 0",
+            lambda: stack.webhook.alerts("TrainingStalled", "firing", stopped),
+            STALL_SECONDS + DELIVERY_S,
+            "TrainingStalled delivered to the webhook after SIGSTOP of rank 0",
         )
-        assert firing[0]["run"] == RUN and firing[0]["severity"] == "critical"
     finally:
         worker.resume()  # SIGCONT
-    wait_for(lambda: not stack.alerts("TrainingStalled"), 120, "TrainingStalled to resolve")
+    resumed = time.monotonic()
+    at, alert = firing[0]
+    assert alert["labels"]["run"] == RUN and alert["labels"]["severity"] == "critical"
+    assert alert["labels"]["component"] == "job"
+    assert alert["annotations"]["runbook_url"] == f"{rule_files.DEFAULT_BASE_URL}#trainingstalled"
+    print(f"\nfault -> webhook firing: {at - stopped:.1f} s (stall threshold {STALL_SECONDS} s)")
+    resolved = wait_for(
+        lambda: stack.webhook.alerts("TrainingStalled", "resolved", resumed),
+        DELIVERY_S,
+        "TrainingStalled resolved at the webhook after SIGCONT",
+    )
+    assert resolved[0][1]["labels"]["run"] == RUN
+    print(f"recovery -> webhook resolved: {resolved[0][0] - resumed:.1f} s")
+
+
+def test_stopped_exporter_is_delivered_firing_then_resolved_to_the_webhook(stack: Stack) -> None:
+    """Kill node1's rlm-exporter: TargetDown reaches the webhook; restarted, it resolves."""
+    state = stack.shared / "e2e"
+    wait_for(lambda: not stack.alerts("TargetDown"), 60, "no TargetDown before the kill")
+    stopped = time.monotonic()
+    os.kill(stack.pid("node1", "rlm-exporter"), signal.SIGTERM)
+    firing = wait_for(
+        lambda: [
+            (at, a)
+            for at, a in stack.webhook.alerts("TargetDown", "firing", stopped)
+            if a["labels"]["host"] == "node1"
+        ],
+        DELIVERY_S,
+        "TargetDown for node1's rlm-exporter at the webhook",
+    )
+    at, alert = firing[0]
+    assert alert["labels"]["job"] == "rlm-exporter" and alert["labels"]["severity"] == "warning"
+    assert alert["annotations"]["runbook_url"] == f"{rule_files.DEFAULT_BASE_URL}#targetdown"
+    print(f"\nexporter killed -> webhook firing: {at - stopped:.1f} s")
+    restarted = time.monotonic()
+    start_in_node(
+        stack.rig, "node1", "rlm-exporter", exporter_command(stack.shared, "node1"), state
+    )
+    resolved = wait_for(
+        lambda: [
+            (t, a)
+            for t, a in stack.webhook.alerts("TargetDown", "resolved", restarted)
+            if a["labels"]["host"] == "node1"
+        ],
+        DELIVERY_S + 30,
+        "TargetDown resolved at the webhook after the restart",
+    )
+    print(f"exporter restarted -> webhook resolved: {resolved[0][0] - restarted:.1f} s")
 
 
 def test_node_down_fires_and_inhibits_that_nodes_gpu_alerts_but_not_for_a_drained_node(

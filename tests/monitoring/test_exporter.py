@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -25,6 +26,20 @@ from tests.monitoring.test_config import dashboard_queries, rules
 from trainer.rundir import RunDir, write_manifest
 
 GPU_SERIES = "rlm_gpu_temperature_celsius"
+
+
+def uuid(index: int) -> str:
+    """The UUID the nvidia-smi stand-in gives GPU `index`."""
+    return f"GPU-5b0e3c1a-9f1d-4c2b-8e7a-00000000000{index}"
+
+
+def xids(samples) -> dict[tuple[str, str, str], float]:
+    """(gpu, PCI bus, xid code) -> count of rlm_gpu_xid_errors_total."""
+    return {
+        (d.get("gpu", ""), d["pci_bus"].split(":")[1], d["xid"]): v
+        for (n, labels), v in samples.items()
+        if n == "rlm_gpu_xid_errors_total" and (d := dict(labels))
+    }
 
 
 def make_run(root: Path, name: str = "run-a", state: str = "running", step: int = 120) -> RunDir:
@@ -56,7 +71,7 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         [sys.executable, "-c", "import time; time.sleep(60)", "-m", "trainer", "train"]
     )
     try:
-        port = run_exporter("--run-root", str(runs), "--interval", "0.5")
+        port = run_exporter("--run-root", str(runs), "--interval", "2", "--expected-gpus", "8")
         samples = wait_for(
             lambda: (
                 (s := scrape(port)) and "rlm_run_step" in names(s) and GPU_SERIES in names(s) and s
@@ -65,13 +80,18 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         )
         assert value(samples, "rlm_exporter_gpu_source_info", source="nvidia-smi") == 1
         assert value(samples, "rlm_exporter_source_up", source="nvidia-smi") == 1
-        assert value(samples, GPU_SERIES, gpu="2") == 66
-        assert value(samples, "rlm_gpu_utilization_ratio", gpu="6") == pytest.approx(0.97)
-        assert value(samples, "rlm_gpu_power_limit_watts", gpu="0") == 700
-        assert value(samples, "rlm_gpu_ecc_uncorrected_errors_total", gpu="7") == 1
-        assert value(samples, "rlm_gpu_xid_errors_total", gpu="2") == 1
-        assert value(samples, "rlm_gpu_xid_errors_total", gpu="7") == 2
-        assert value(samples, "rlm_gpu_xid_errors_total", gpu="0") == 0
+        assert value(samples, GPU_SERIES, gpu="2", uuid=uuid(2)) == 66
+        assert value(samples, "rlm_gpu_utilization_ratio", gpu="6", uuid=uuid(6)) == 0.97
+        assert value(samples, "rlm_gpu_power_limit_watts", gpu="0", uuid=uuid(0)) == 700
+        assert value(samples, "rlm_gpu_ecc_uncorrected_errors_total", gpu="7", uuid=uuid(7)) == 1
+        assert value(samples, "rlm_gpu_power_throttled", gpu="0", uuid=uuid(0)) == 1
+        assert xids(samples) == {("2", "3a", "79"): 1, ("7", "db", "48"): 1, ("7", "db", "63"): 1}
+        assert value(samples, "rlm_gpus_seen") == 8
+        assert value(samples, "rlm_gpus_expected") == 8
+        assert value(samples, "rlm_gpu_present", gpu="3", uuid=uuid(3), pci_bus="0000:5d:00") == 1
+        info = {dict(labels)["serial"] for n, labels in samples if n == "rlm_gpu_info"}
+        assert info == {f"165042301000{i}" for i in range(8)}
+        assert value(samples, "rlm_exporter_errors_total", source="rundir") == 0
 
         assert value(samples, "rlm_run_step", run="run-a") == 120
         assert value(samples, "rlm_run_state", run="run-a", state="running") == 1
@@ -167,16 +187,89 @@ def test_partial_nvidia_output_exports_the_readable_gpus_and_counts_the_error(
         "dmesg",
         "echo 'dmesg: read kernel buffer failed: Operation not permitted' >&2; exit 1",
     )
-    port = run_exporter("--gpu-source", "nvidia-smi", "--interval", "0.5")
+    port = run_exporter("--gpu-source", "nvidia-smi", "--interval", "2")
     samples = wait_for(
-        lambda: (s := scrape(port)) and value(s, GPU_SERIES, gpu="0") and s, what="GPU series"
+        lambda: (s := scrape(port)) and value(s, GPU_SERIES, gpu="0", uuid=uuid(0)) and s,
+        what="GPU series",
     )
     temperatures = {dict(labels)["gpu"] for n, labels in samples if n == GPU_SERIES}
     assert temperatures == {"0", "1", "3", "4", "5", "6", "7"}
-    assert value(samples, "rlm_gpu_power_watts", gpu="4") is None  # [N/A]: no series, not 0
+    assert value(samples, "rlm_gpu_power_watts", gpu="4", uuid=uuid(4)) is None  # [N/A]: no series
+    assert value(samples, "rlm_gpus_seen") == 7
     assert value(samples, "rlm_exporter_errors_total", source="nvidia-smi") >= 1
     assert value(samples, "rlm_exporter_errors_total", source="dmesg") >= 1
+    assert value(samples, "rlm_exporter_source_up", source="dmesg") == 0
     assert "rlm_gpu_xid_errors_total" not in names(samples)
+
+
+def test_gpu_that_falls_off_the_bus_stays_visible_with_its_xid(tool_bin, run_exporter) -> None:
+    """All 8 listed; then GPU 2 falls off (XID 79) and later nvidia-smi fails outright."""
+    state = tool_bin / "state"
+    state.write_text("healthy")
+    healthy = printing_nvidia("nvidia-smi-8gpu.csv")
+    partial = printing_nvidia("nvidia-smi-partial.csv", exit_code=15)
+    install_tool(
+        tool_bin,
+        "nvidia-smi",
+        f"case $(cat '{state}') in healthy) {healthy};; partial) {partial};;\n"
+        "*) echo 'Unable to determine the device handle for GPU0000:3A:00.0: Unknown Error'; exit 15;;"
+        "\nesac",
+    )
+    install_tool(
+        tool_bin, "dmesg", f"[ \"$(cat '{state}')\" = healthy ] || {printing('dmesg-xid.txt')}"
+    )
+    port = run_exporter("--gpu-source", "nvidia-smi", "--interval", "2", "--expected-gpus", "8")
+    wait_for(lambda: value(scrape(port), "rlm_gpus_seen") == 8, what="8 GPUs")
+    gone = {"gpu": "2", "uuid": uuid(2), "pci_bus": "0000:3a:00"}
+    state.write_text("partial")
+    samples = wait_for(
+        lambda: (s := scrape(port)) and value(s, "rlm_gpu_present", **gone) == 0 and s,
+        what="GPU 2 reported gone",
+    )
+    assert value(samples, "rlm_gpus_seen") == 7
+    assert value(samples, "rlm_gpu_present", gpu="3", uuid=uuid(3), pci_bus="0000:5d:00") == 1
+    wait_for(lambda: xids(scrape(port)).get(("2", "3a", "79")) == 1, what="XID 79 of GPU 2")
+    state.write_text("failing")  # nvidia-smi lists nothing any more: the kernel log still counts
+    samples = wait_for(
+        lambda: (s := scrape(port)) and value(s, "rlm_gpus_seen") == 0 and s, what="no GPUs"
+    )
+    assert value(samples, "rlm_exporter_source_up", source="nvidia-smi") == 0
+    assert value(samples, "rlm_exporter_source_up", source="dmesg") == 1
+    assert xids(samples)[("2", "3a", "79")] == 1 and xids(samples)[("7", "db", "48")] == 1
+    assert value(samples, "rlm_gpu_present", **gone) == 0
+    assert GPU_SERIES not in names(samples)
+
+
+def test_xids_of_a_gpu_never_listed_keep_their_pci_address(tool_bin, run_exporter) -> None:
+    install_tool(tool_bin, "nvidia-smi", "echo 'No devices were found'; exit 6")
+    install_tool(tool_bin, "dmesg", printing("dmesg-xid.txt"))
+    port = run_exporter("--gpu-source", "nvidia-smi", "--interval", "0.3")
+    samples = wait_for(lambda: (s := scrape(port)) and xids(s) and s, what="XIDs")
+    assert xids(samples) == {("", "3a", "79"): 1, ("", "db", "48"): 1, ("", "db", "63"): 1}
+    assert value(samples, "rlm_gpus_seen") == 0
+
+
+def test_error_counters_start_at_zero_for_every_source(tmp_path, tool_bin, run_exporter) -> None:
+    install_tool(tool_bin, "nvidia-smi", printing_nvidia("nvidia-smi-8gpu.csv"))
+    install_tool(tool_bin, "dmesg", printing("dmesg-xid.txt"))
+    port = run_exporter("--run-root", str(tmp_path), "--interval", "0.5")
+    samples = scrape(port)  # the first scrape, before any source has run
+    for source in ("nvidia-smi", "dmesg", "rundir", "sharedfs"):
+        assert value(samples, "rlm_exporter_errors_total", source=source) == 0, source
+
+
+def test_warnings_are_rate_limited_per_source(caplog) -> None:
+    now = [0.0]
+    errors = exporter.ErrorCounts(["nvidia-smi"], log_every_s=300, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="rlm-exporter"):
+        for second in range(0, 600, 10):  # two different complaints every interval
+            now[0] = float(second)
+            errors.count("nvidia-smi", "exited with 15: Unable to determine the device handle")
+            errors.count("nvidia-smi", "unreadable nvidia-smi line: Unable to determine")
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2, lines
+    assert "59 more errors since the last line" in lines[1]
+    assert dict(errors.items()) == {"nvidia-smi": 120}
 
 
 def test_no_gpu_tool_means_no_gpu_series(tool_bin, run_exporter, monkeypatch) -> None:

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import ast
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from clusterspec.vendors import amd, nvidia
 from monitoring import gpu
-from tests.monitoring.conftest import FIXTURES, install_tool, printing
+from tests.monitoring.conftest import (
+    FIXTURES,
+    RECORDED_FIELDS,
+    install_tool,
+    printing,
+    printing_nvidia,
+)
 
 MIB = 1024 * 1024
-# The nvidia-smi recordings were made with the exporter's field list before `name` and
-# `driver_version` were appended; the one parser is told which fields a recording holds.
-RECORDED_FIELDS = nvidia.FIELDS[:11]
 
 
 def read(name: str) -> str:
@@ -92,14 +100,122 @@ def test_json_parsers_reject_garbage(parser) -> None:
         parser("ERROR: GPU not found\n")
 
 
-def test_xid_lines_grouped_by_pci_bus() -> None:
-    events = gpu.count_xids(read("dmesg-xid.txt"))
-    assert {bus: len(lines) for bus, lines in events.items()} == {(0, 0x3A, 0): 1, (0, 0xDB, 0): 2}
+def test_xid_events_grouped_by_pci_bus_with_codes() -> None:
+    events = nvidia.xid_events(read("dmesg-xid.txt"))
+    codes = {bus: [code for code, _ in found] for bus, found in events.items()}
+    assert codes == {(0, 0x3A, 0): [79], (0, 0xDB, 0): [48, 63]}
+
+
+def test_grouped_query_keeps_the_other_groups_when_one_field_is_rejected(tool_bin) -> None:
+    # An older driver that knows only clocks_throttle_reasons.*: that group fails, nothing else.
+    install_tool(
+        tool_bin,
+        "nvidia-smi",
+        printing_nvidia("nvidia-smi-8gpu.csv", reject=("clocks_event_reasons.sw_power_cap",)),
+    )
+    output = gpu.run_tool(nvidia.NVIDIA_SMI, timeout_s=30, name="nvidia-smi")
+    assert output.returncode == 0
+    result = nvidia.parse_nvidia_smi(output.stdout)
+    assert [g.gpu for g in result.gpus] == [str(i) for i in range(8)]
+    assert result.problems == [
+        "nvidia-smi rejected clocks_event_reasons.sw_power_cap (exit 2): "
+        'Field "clocks_event_reasons.sw_power_cap" is not a valid field to query.'
+    ]
+    first = result.gpus[0]
+    assert first.power_throttled is None  # only the rejected group's field is missing
+    assert first.temperature_celsius == 63 and first.ecc_corrected_total == 0
+    assert first.uuid == "GPU-5b0e3c1a-9f1d-4c2b-8e7a-000000000000"
+    assert first.serial == "1650423010000" and first.name == "NVIDIA H100 80GB HBM3"
+
+
+def test_grouped_query_with_a_gpu_off_the_bus(tool_bin) -> None:
+    install_tool(tool_bin, "nvidia-smi", printing_nvidia("nvidia-smi-partial.csv", exit_code=15))
+    output = gpu.run_tool(nvidia.NVIDIA_SMI, timeout_s=30, name="nvidia-smi")
+    assert output.returncode == 15  # the first group's status: the health gate sees the failure
+    result = nvidia.parse_nvidia_smi(output.stdout)
+    assert [g.gpu for g in result.gpus] == ["0", "1", "3", "4", "5", "6", "7"]
+    assert result.problems and all("Unable to determine" in p for p in result.problems)
+    assert result.gpus[0].power_throttled == 1.0  # clocks_event_reasons answered
+
+
+def test_query_uses_the_current_clock_event_field_names() -> None:
+    assert "clocks_event_reasons.sw_power_cap" in nvidia.FIELDS
+    assert not any(field.startswith("clocks_throttle_reasons") for field in nvidia.FIELDS)
+    assert all(group[0] == "index" for group in nvidia.QUERY_GROUPS)
+
+
+ROCM_SMI_SOURCE = Path("/usr/libexec/rocm_smi/rocm_smi.py")  # Debian package rocm-smi
+
+
+def rocm_smi_printable_keys(source: str) -> set[str]:
+    """Every key rocm-smi 5.x can print: its string constants, its '%s' formats expanded with
+    its name lists (memory types, temperature sensors, components) and `name + ' version'`."""
+    tree = ast.parse(source)
+    constants = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    names = {
+        element.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.List | ast.Dict)
+        for element in (node.elts if isinstance(node, ast.List) else node.values)
+        if isinstance(element, ast.Constant) and isinstance(element.value, str)
+    }
+    formats = {c for c in constants if c.count("%s") == 1 and c.count("%") == 1}
+    suffixes = {c for c in constants if c.startswith(" ")}
+    return (
+        constants
+        | {f % name for f in formats for name in names}
+        | {name + suffix for name in names for suffix in suffixes}
+    )
+
+
+@pytest.mark.skipif(not ROCM_SMI_SOURCE.exists(), reason="needs Debian's rocm-smi package")
+def test_every_rocm_smi_key_and_flag_exists_in_the_real_tool() -> None:
+    printable = rocm_smi_printable_keys(ROCM_SMI_SOURCE.read_text())
+    assert set(amd.ROCM_SMI_KEYS.values()) - printable == set()
+    live_help = subprocess.run(
+        ["rocm-smi", "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    recorded_help = read("rocm-smi-5.2.3-help.txt")
+    for flag in (arg for arg in amd.ROCM_SMI[1:] if arg.startswith("--")):
+        assert flag in live_help and flag in recorded_help, flag
+
+
+def test_real_rocm_smi_without_a_gpu_is_a_tool_error() -> None:
+    # Recorded from Debian's rocm-smi 5.2.3 on a machine without an AMD GPU (fixtures/README.md):
+    # exit status 0, an empty stdout and the reason on stderr.
+    assert read("rocm-smi-5.2.3-no-gpu.stdout") == ""
+    assert "Driver not initialized" in read("rocm-smi-5.2.3-no-gpu.stderr")
+    with pytest.raises(gpu.ToolError, match="printed no JSON"):
+        amd.parse_rocm_smi(read("rocm-smi-5.2.3-no-gpu.stdout"))
+
+
+@pytest.mark.skipif(not shutil.which("rocm-smi"), reason="needs Debian's rocm-smi package")
+def test_real_rocm_smi_runs_here_like_the_recording() -> None:
+    output = gpu.run_tool(amd.ROCM_SMI, timeout_s=60)
+    assert (output.returncode, output.stdout) == (0, read("rocm-smi-5.2.3-no-gpu.stdout"))
+
+
+def test_run_tool_kills_and_reaps_a_tool_whose_child_left_its_session(tool_bin) -> None:
+    # The child holds the pipes open from another session: waiting for EOF would take 300 s.
+    pid_file = tool_bin / "child.pid"
+    install_tool(
+        tool_bin, "amd-smi", f"setsid sh -c 'echo $$ > {pid_file}; exec sleep 300' &\nwait"
+    )
+    started = time.monotonic()
+    with pytest.raises(gpu.ToolError, match=r"did not finish within 1 s"):
+        gpu.run_tool(amd.AMD_SMI, timeout_s=1)
+    assert time.monotonic() - started < 3
+    child = int(pid_file.read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
 def test_run_tool_returns_output_and_exit_code(tool_bin) -> None:
     install_tool(tool_bin, "nvidia-smi", printing("nvidia-smi-partial.csv", exit_code=15))
-    output = gpu.run_tool(nvidia.NVIDIA_SMI, timeout_s=10)
+    output = gpu.run_tool(("nvidia-smi",), timeout_s=10)
     assert output.returncode == 15
     assert output.stdout == read("nvidia-smi-partial.csv")
 

@@ -17,6 +17,7 @@ from monitoring import gpu
 from rlmctl import health, hostcheck, inventory
 from rlmctl.health import CRIT, OK, UNKNOWN, WARN, Check, HostHealth
 from rlmctl.remote import Fleet
+from tests.monitoring.nvidia_smi_standin import RECORDED_FIELDS
 from tests.rlmctl.conftest import rlmctl
 
 THRESHOLDS = health.THRESHOLDS
@@ -82,7 +83,7 @@ def test_disk_thresholds(tmp_path: Path) -> None:
 
 def test_gpu_verdicts_from_the_exporters_parser() -> None:
     """The gate judges what the one nvidia-smi parser (shared with the exporter) read."""
-    gpus = nvidia.parse_nvidia_smi(RECORDED, nvidia.FIELDS[:11]).gpus
+    gpus = nvidia.parse_nvidia_smi(RECORDED, RECORDED_FIELDS).gpus
     assert hostcheck.judge_gpus(gpus[:4], 8, THRESHOLDS)["detail"].startswith("4 GPUs visible")
     ecc = hostcheck.judge_gpus(gpus, 8, THRESHOLDS)  # GPU 7 has an uncorrected ECC error
     assert ecc["state"] == CRIT and "ECC" in ecc["detail"] and "[7]" in ecc["detail"]
@@ -93,9 +94,10 @@ def test_gpu_verdicts_from_the_exporters_parser() -> None:
     assert warm["state"] == WARN and "88 C" in warm["detail"]
 
 
-def test_auto_vendor_without_gpu_tools_is_skipped(tmp_path: Path) -> None:
+def test_auto_vendor_without_gpu_tools_is_skipped(tmp_path: Path, monkeypatch) -> None:
     cfg = _cfg(tmp_path, vendor="auto", gpus=8)
-    assert vendors.detect_vendor() == "none"  # this machine has no vendor tool
+    monkeypatch.setenv("PATH", str(tmp_path))  # no vendor tool (CI installs the real rocm-smi)
+    assert vendors.detect_vendor() == "none"
     assert hostcheck.check_gpu(cfg)["state"] == OK
     assert hostcheck.check_gpu_xid(cfg)["detail"].startswith("skipped")
 
