@@ -15,6 +15,7 @@ from clusterspec import vendors
 from clusterspec.vendors import amd_topology, nvidia_topology, topology
 from clusterspec.vendors.readings import ToolError
 from rlmctl import health, hostcheck
+from tests.monitoring.conftest import printing_nvidia
 
 FIXTURES = Path(__file__).parent / "fixtures" / "topology"
 
@@ -105,14 +106,15 @@ def test_link_meets() -> None:
 
 
 def _tool(bin_dir: Path, name: str, fixture: str | None) -> None:
+    """`topo -m` prints the topology recording; a GPU query is answered by the recorded
+    stand-in (tests/monitoring/nvidia_smi_standin.py), which names the GPUs H100."""
     script = bin_dir / name
     body = f"cat '{FIXTURES / fixture}' | grep -v '^# '" if fixture else "exit 0"
     script.write_text(
         "#!/bin/sh\n"
-        f'case "$1" in topo) {body} ;; '
-        "--query-gpu=*) i=0; while [ $i -lt 8 ]; do "
-        'echo "$i, 00000000:0$i:00.0, 0, 1, 80000, 30, 70, 700, 0, 0, Not Active, '
-        'NVIDIA H100 80GB HBM3, 550.127.08"; i=$((i+1)); done ;; esac\n'
+        f'if [ "$1" = topo ]; then {body}; exit; fi\n'
+        + printing_nvidia("nvidia-smi-8gpu.csv")
+        + "\n"
     )
     script.chmod(0o755)
 
