@@ -25,6 +25,7 @@ TRAINING_GROUP = "compute"
 # Hosts out for maintenance: left out unless --limit names them.
 DRAINED_GROUP = "drained"
 GPU_VENDORS = variables()["rlm_gpu_vendor"].choices
+SCHEDULERS = variables()["rlm_scheduler"].choices
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Host:
     interpreter: str = "python3"  # ansible_python_interpreter: runs rlmctl's stdlib-only scripts
     busbw_floor_gbps: float | None = None  # rlm_comm_busbw_floor_gbps; 0 = report, don't gate
     exporter_port: int = default("rlm_exporter_port")
+    scheduler: str = default("rlm_scheduler")  # "ssh" or "slurm": what starts the trainer
 
     @property
     def is_local(self) -> bool:
@@ -267,6 +269,12 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
             f"host {host.name}: rlm_gpu_vendor must be one of {', '.join(GPU_VENDORS)}, "
             f"got {vendor!r}; fix it in {source}"
         )
+    scheduler = str(var("rlm_scheduler")).lower()
+    if scheduler not in SCHEDULERS:
+        raise InventoryError(
+            f"host {host.name}: rlm_scheduler must be one of {', '.join(SCHEDULERS)}, "
+            f"got {scheduler!r}; fix it in {source}"
+        )
     floor = var("rlm_comm_busbw_floor_gbps")
     connection = str(var("ansible_connection", "ssh")).split(".")[-1]
     # The one exception the spec documents: a local host without rlm_venv uses this interpreter.
@@ -291,6 +299,7 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
         interpreter=interpreter,
         busbw_floor_gbps=float(floor) if floor is not None else None,
         exporter_port=integer("rlm_exporter_port"),
+        scheduler=scheduler,
     )
 
 
