@@ -67,6 +67,14 @@ def _session(ctx: typer.Context) -> Session:
     return ctx.obj
 
 
+def _not_under_slurm(session: Session, command: str) -> None:
+    if _slurm(session):
+        raise RlmctlError(
+            f"rlmctl {command} does not drive Slurm jobs yet (rlm_scheduler: slurm); "
+            "follow the job with `rlmctl status` and resubmit with `rlmctl launch`"
+        )
+
+
 def _slurm(session: Session) -> bool:
     """rlm_scheduler is slurm for the selected hosts: Slurm starts, signals and accounts jobs."""
     hosts = session.hosts()
@@ -306,6 +314,7 @@ def resume(
     from rlmctl import supervise
 
     session = _session(ctx)
+    _not_under_slurm(session, "resume")
     excluded = set()
     if session.exclude:
         excluded = {h.name for h in session.inventory().select(session.exclude)}
@@ -333,6 +342,7 @@ def watch(
     from rlmctl import supervise
 
     session = _session(ctx)
+    _not_under_slurm(session, "watch")
     policy = supervise.WatchPolicy(
         poll_s=poll, stall_s=stall, max_restarts=restarts, backoff_s=backoff
     )

@@ -118,3 +118,24 @@ def test_slurm_script_requeues_only_a_run_stopped_before_its_end(
     assert ("requeue 42" in calls) is requeued
     cancelled = tmp_path / "scancel.log"
     assert (cancelled.exists() and cancelled.read_text().split() == ["42"]) is asked
+
+
+def slurm_inventory(local_inventory: Path) -> Path:
+    hosts = local_inventory / "hosts.yml"
+    hosts.write_text(hosts.read_text() + "    rlm_scheduler: slurm\n", encoding="utf-8")
+    return local_inventory
+
+
+def test_watch_and_resume_refuse_slurm_runs_in_one_line(local_inventory: Path) -> None:
+    inventory = str(slurm_inventory(local_inventory))
+    for command in ("watch", "resume"):
+        result = rlmctl("-i", inventory, command, "some-run")
+        assert_one_line_error(result, 2, f"rlmctl {command} does not drive Slurm jobs yet")
+
+
+def test_slurm_launch_without_a_controller_group_writes_nothing(local_inventory: Path) -> None:
+    inventory = slurm_inventory(local_inventory)
+    config = str(REPO / "trainer/configs/tiny.yaml")
+    result = rlmctl("-i", str(inventory), "launch", "--config", config, "--name", "x", timeout=180)
+    assert_one_line_error(result, 2, "no 'mgmt' group", "Slurm controller")
+    assert not (inventory.parent / "shared" / "runs").exists()

@@ -21,6 +21,10 @@ NODES = 4  # node1: mgmt (controller); node2..node4: compute
 # trainer venv, Slurm. tests/ansible/test_site_systemd.py applies all of site.yml to the same
 # kind of nodes; here common installs only a short package list to keep the module's time.
 SITE_TAGS = "common,trainer_env,slurm"
+# The rerun covers the Slurm play (the others' reruns are test_site_systemd's); check mode runs
+# common too, which refreshes a bare node's apt lists, as site.yml --check does.
+SLURM_TAGS = "slurm"
+CHECK_TAGS = "common,slurm"
 
 
 def remount_cgroups_writable(rig: Rig, host: str) -> None:

@@ -18,7 +18,15 @@ import pytest
 from tests.ansible.playbook_run import REPO, PlaybookRun, run_playbook, write_inventory
 from tests.rig import Rig
 from tests.rlmctl.conftest import rlmctl
-from tests.slurm.slurm_rig import NODES, SITE_TAGS, SLOT, remount_cgroups_writable, slurm_inventory
+from tests.slurm.slurm_rig import (
+    CHECK_TAGS,
+    NODES,
+    SITE_TAGS,
+    SLOT,
+    SLURM_TAGS,
+    remount_cgroups_writable,
+    slurm_inventory,
+)
 from tests.test_rig_systemd import systemd_unavailable
 
 pytestmark = [pytest.mark.rig, pytest.mark.timeout(1800)]
@@ -28,6 +36,7 @@ COMPUTE = ("node2", "node3", "node4")
 @dataclass
 class Cluster:
     rig: Rig
+    check: PlaybookRun
     first: PlaybookRun
     second: PlaybookRun
     first_s: float
@@ -44,15 +53,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for name in COMPUTE:
             remount_cgroups_writable(rig, name)
         inventory = write_inventory(work / "hosts.yml", slurm_inventory(rig, work))
+        check = run_playbook("site.yml", inventory, work, check=True, tags=CHECK_TAGS, timeout=600)
         started = time.monotonic()
         first = run_playbook("site.yml", inventory, work, tags=SITE_TAGS, timeout=900)
         first_s = time.monotonic() - started
         second, second_s = first, 0.0
         if first.rc == 0:
             started = time.monotonic()
-            second = run_playbook("site.yml", inventory, work, tags=SITE_TAGS, timeout=600)
+            second = run_playbook("site.yml", inventory, work, tags=SLURM_TAGS, timeout=600)
             second_s = time.monotonic() - started
-        print(f"\nsite.yml ({SITE_TAGS}): first run {first_s:.0f}s, rerun {second_s:.0f}s")
+        print(
+            f"\nsite.yml --tags {SITE_TAGS}: first run {first_s:.0f}s; "
+            f"--tags {SLURM_TAGS} rerun {second_s:.0f}s"
+        )
         if first.rc == 0:
             subprocess.run(
                 [
@@ -69,7 +82,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 capture_output=True,
                 cwd=REPO,
             )
-        yield Cluster(rig, first, second, first_s, second_s, inventory)
+        yield Cluster(rig, check, first, second, first_s, second_s, inventory)
+
+
+def test_check_mode_on_bare_nodes_plans_the_packages_and_fails_nothing(cluster: Cluster) -> None:
+    for host in cluster.rig.hosts:
+        assert cluster.check.failures(host.name) == [], host.name
+        assert cluster.check.task(host.name, "Install the Slurm packages").changed
+    assert cluster.check.rc == 0, cluster.check.stderr[-2000:]
 
 
 def test_site_brings_slurm_up_and_a_rerun_changes_nothing(cluster: Cluster) -> None:
@@ -186,3 +206,39 @@ def test_stop_mid_run_checkpoints_and_cancels(cluster: Cluster) -> None:
     assert status["state"] == "stopped" and status["checkpoint"]["valid"], status
     assert status["checkpoint"]["step"] >= 5  # the signal's checkpoint, not the interval's
     assert run_processes(cluster, Path(status["run_dir"])) == {}
+
+
+def registry_rows(cluster: Cluster) -> list[str]:
+    listed = rlmctl("-i", str(cluster.inventory), "runs", "--json")
+    return [row["name"] for row in json.loads(listed.stdout or "[]")]
+
+
+@pytest.mark.parametrize(
+    ("args", "reason", "fix"),
+    [
+        (
+            ["--nodes", "2", "--partition", "nope"],
+            ("Invalid partition name specified",),
+            "pick a partition",
+        ),
+        (
+            ["--nodes", "4"],
+            ("Node count specification invalid", "Requested node configuration is not available"),
+            "fewer --nodes",
+        ),
+    ],
+    ids=["unknown-partition", "too-many-nodes"],
+)
+def test_a_job_slurm_refuses_is_one_line_and_leaves_nothing(
+    cluster: Cluster, args: list[str], reason: tuple[str, ...], fix: str
+) -> None:
+    assert cluster.first.rc == 0
+    run = "slurm-refused"
+    before = registry_rows(cluster)
+    argv = ["launch", "--config", CONFIG, "--name", run, *args, *TINY]
+    result = rlmctl("-i", str(cluster.inventory), *argv, timeout=180)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert any(text in lines[0] for text in reason) and fix in lines[0], lines[0]
+    assert not (cluster.rig.shared_dir / "runs" / run).exists()
+    assert registry_rows(cluster) == before
