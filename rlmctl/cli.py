@@ -67,6 +67,20 @@ def _session(ctx: typer.Context) -> Session:
     return ctx.obj
 
 
+def _not_under_slurm(session: Session, command: str) -> None:
+    if _slurm(session):
+        raise RlmctlError(
+            f"rlmctl {command} does not drive Slurm jobs yet (rlm_scheduler: slurm); "
+            "follow the job with `rlmctl status` and resubmit with `rlmctl launch`"
+        )
+
+
+def _slurm(session: Session) -> bool:
+    """rlm_scheduler is slurm for the selected hosts: Slurm starts, signals and accounts jobs."""
+    hosts = session.hosts()
+    return bool(hosts) and hosts[0].scheduler == "slurm"
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 
 
@@ -178,9 +192,14 @@ def launch(
     ] = None,
     nodes: Annotated[int | None, typer.Option(help="Use only the first N healthy hosts.")] = None,
     force: Annotated[bool, typer.Option(help="Launch even when the health gate fails.")] = False,
+    partition: Annotated[
+        str | None, typer.Option(help="Slurm partition (rlm_scheduler slurm).")
+    ] = None,
+    time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit.")] = "24:00:00",
     json_output: JsonOpt = False,
 ) -> None:
-    """Gate, create the run directory, and start torchrun on every host (detached)."""
+    """Gate, create the run directory, and start torchrun on every host (detached), or submit
+    the batch job to Slurm (rlm_scheduler: slurm)."""
     from rlmctl import launch as launching
 
     session = _session(ctx)
@@ -188,6 +207,27 @@ def launch(
     for text in overrides or []:
         if "=" not in text:
             raise RlmctlError(f"override {text!r} must look like key=value, e.g. train.steps=500")
+    if hosts and hosts[0].scheduler == "slurm":
+        from rlmctl import scheduler_slurm
+
+        with session.fleet([]) as fleet:
+            run_name, run, job_id = scheduler_slurm.launch(
+                fleet,
+                session.inventory(),
+                hosts,
+                config,
+                name,
+                nodes,
+                overrides or [],
+                partition,
+                time_limit,
+            )
+        submitted = Launched(run_name, str(run.path), [], "", job_id=job_id)
+        if json_output:
+            render.emit_json(submitted)
+        else:
+            render.line(f"submitted {run_name} as Slurm job {job_id}; `rlmctl status {run_name}`")
+        return
     with session.fleet(hosts) as fleet:
         run_name, run, started = launching.launch(
             fleet,
@@ -218,7 +258,12 @@ def status(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
 
     session = _session(ctx)
     with session.registry(readonly=True) as registry, session.fleet([]) as fleet:
-        info = launching.status(fleet, registry, session.inventory(), run)
+        if _slurm(session):
+            from rlmctl import scheduler_slurm
+
+            info = scheduler_slurm.status(fleet, session.inventory(), registry, run)
+        else:
+            info = launching.status(fleet, registry, session.inventory(), run)
     if json_output:
         render.emit_json(info)
     else:
@@ -259,6 +304,15 @@ def stop(
     from rlmctl import launch as launching
 
     session = _session(ctx)
+    if _slurm(session):
+        from rlmctl import scheduler_slurm
+
+        with session.registry() as registry, session.fleet([]) as fleet:
+            job = scheduler_slurm.stop(
+                fleet, session.inventory(), scheduler_slurm.run_dir_of(registry, run), timeout
+            )
+        render.line(f"run {run}: Slurm job {job.job_id} {job.state}")
+        raise typer.Exit(0 if job.ended else 1)
     with session.registry() as registry:
         _, hosts = launching.run_hosts(session.inventory(), registry, run)
         with session.fleet(hosts) as fleet:
@@ -281,6 +335,7 @@ def resume(
     from rlmctl import supervise
 
     session = _session(ctx)
+    _not_under_slurm(session, "resume")
     excluded = set()
     if session.exclude:
         excluded = {h.name for h in session.inventory().select(session.exclude)}
@@ -308,6 +363,7 @@ def watch(
     from rlmctl import supervise
 
     session = _session(ctx)
+    _not_under_slurm(session, "watch")
     policy = supervise.WatchPolicy(
         poll_s=poll, stall_s=stall, max_restarts=restarts, backoff_s=backoff
     )

@@ -26,6 +26,7 @@ TRAINING_GROUP = "compute"
 # Hosts out for maintenance: left out unless --limit names them.
 DRAINED_GROUP = "drained"
 GPU_VENDORS = variables()["rlm_gpu_vendor"].choices
+SCHEDULERS = variables()["rlm_scheduler"].choices
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Host:
     gpudirect: bool | None = None  # rlm_gpudirect
     prometheus_url: str | None = None  # rlm_prometheus_url
     accept_thresholds: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    scheduler: str = default("rlm_scheduler")  # "ssh" or "slurm": what starts the trainer
 
     @property
     def is_local(self) -> bool:
@@ -275,6 +277,12 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
             f"host {host.name}: rlm_gpu_vendor must be one of {', '.join(GPU_VENDORS)}, "
             f"got {vendor!r}; fix it in {source}"
         )
+    scheduler = str(var("rlm_scheduler")).lower()
+    if scheduler not in SCHEDULERS:
+        raise InventoryError(
+            f"host {host.name}: rlm_scheduler must be one of {', '.join(SCHEDULERS)}, "
+            f"got {scheduler!r}; fix it in {source}"
+        )
     floor = var("rlm_comm_busbw_floor_gbps")
     fabric = var("rlm_fabric")
     if fabric is not None and str(fabric) not in transport.FABRICS:
@@ -314,6 +322,7 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
         prometheus_url=str(var("rlm_prometheus_url")) if var("rlm_prometheus_url") else None,
         accept_thresholds=var("rlm_accept_thresholds"),
         gpudirect=None if gpudirect is None else str(gpudirect).lower() in ("true", "yes", "1"),
+        scheduler=scheduler,
     )
 
 

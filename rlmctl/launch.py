@@ -213,6 +213,47 @@ def start(
     return Started(launch_id, [h.name for h in hosts], endpoint)
 
 
+def run_name(config_file: Path, name: str | None) -> str:
+    """The run's name (default: config stem + time), checked; the config file must exist."""
+    if not Path(config_file).is_file():
+        raise RlmctlError(f"config file {config_file} does not exist; pass --config FILE")
+    name = name or f"{Path(config_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    problem = check_run_name(name)
+    if problem:
+        raise RlmctlError(f"{problem}; pass another --name")
+    return name
+
+
+def _exists(run: RunDir, name: str) -> RlmctlError:
+    return RlmctlError(
+        f"run {name!r} already exists ({run.path}); pick another --name or `rlmctl resume {name}`"
+    )
+
+
+def refuse_existing(run: RunDir, registry: Registry, name: str) -> None:
+    """A cheap early answer; the exclusive create in claim_run is what decides."""
+    if run.path.exists() or any(r["name"] == name for r in registry.runs()):
+        raise _exists(run, name)
+
+
+def claim_run(
+    run: RunDir, registry: Registry, inventory: Inventory, config_text: str, name: str
+) -> None:
+    """Create the run directory exclusively with its config, then index it."""
+    record = {"inventory": str(inventory.source), "created": time.time(), "by": "rlmctl launch"}
+    try:
+        run.create_exclusive(config_text, record)
+    except FileExistsError:
+        raise _exists(run, name) from None
+    except OSError as error:
+        raise RlmctlError(f"cannot create the run directory {run.path}: {error.strerror}") from None
+    try:
+        registry.add_run(name, str(run.path), str(inventory.source), record["created"])
+    except BaseException:
+        run.discard()
+        raise
+
+
 def launch(
     fleet: Fleet,
     inventory: Inventory,
@@ -224,22 +265,12 @@ def launch(
     overrides: list[str],
     say: Say = _quiet,
 ) -> tuple[str, RunDir, Started]:
-    if not Path(config_file).is_file():
-        raise RlmctlError(f"config file {config_file} does not exist; pass --config FILE")
-    name = name or f"{Path(config_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    problem = check_run_name(name)
-    if problem:
-        raise RlmctlError(f"{problem}; pass another --name")
+    name = run_name(config_file, name)
     if nodes is not None and not 1 <= nodes <= len(hosts):
         raise RlmctlError(f"--nodes {nodes}: the selection has {len(hosts)} host(s)")
     run = RunDir(runs_root(hosts) / name)
     registry = open_registry(hosts)
-    refusal = RlmctlError(
-        f"run {name!r} already exists ({run.path}); pick another --name or `rlmctl resume {name}`"
-    )
-    # A cheap early answer; the exclusive create below is what decides.
-    if run.path.exists() or any(r["name"] == name for r in registry.runs()):
-        raise refusal
+    refuse_existing(run, registry, name)
     # Validate before touching any host: a bad config must not cost a health round trip.
     resolve_config(config_file, overrides, run.path, world_size(hosts[: nodes or len(hosts)]))
     healthy, _ = gate(fleet, hosts, force, say)
@@ -247,18 +278,7 @@ def launch(
     if nodes and len(chosen) < nodes:
         raise GateRefused(f"only {len(chosen)} healthy host(s), --nodes asks for {nodes}")
     config_text = resolve_config(config_file, overrides, run.path, world_size(chosen))
-    record = {"inventory": str(inventory.source), "created": time.time(), "by": "rlmctl launch"}
-    try:
-        run.create_exclusive(config_text, record)
-    except FileExistsError:
-        raise refusal from None
-    except OSError as error:
-        raise RlmctlError(f"cannot create the run directory {run.path}: {error.strerror}") from None
-    try:
-        registry.add_run(name, str(run.path), str(inventory.source), record["created"])
-    except BaseException:
-        run.discard()
-        raise
+    claim_run(run, registry, inventory, config_text, name)
     try:
         say(f"run {name}: {run.path}")
         started = start(fleet, registry, name, run, chosen, "launch", say)
@@ -358,9 +378,7 @@ def status(fleet: Fleet, registry: Registry, inventory: Inventory, name: str) ->
     """The run's state of record with what its processes say; reads only."""
     run, hosts = run_hosts(inventory, registry, name)
     procs = processes(fleet, registry, name, run, hosts)
-    progress = run.status()
     state = run.state()
-    latest = run.latest_valid_checkpoint()
     alive = [h for h, p in procs.items() if p.alive]
     unknown = [h for h, p in procs.items() if p.alive is None]
     problem = None
@@ -379,16 +397,25 @@ def status(fleet: Fleet, registry: Registry, inventory: Inventory, name: str) ->
         state=state,
         run_dir=str(run.path),
         hosts=list(procs.values()),
-        step=progress.step,
-        max_steps=progress.max_steps,
-        loss=progress.loss,
-        tokens_per_s=progress.tokens_per_s,
-        updated=progress.updated,
-        exit_code=progress.exit_code,
-        checkpoint=checkpoint_row(latest) if latest else None,
-        restarts=run.restarts(),
         problem=problem,
+        **progress_fields(run),
     )
+
+
+def progress_fields(run: RunDir) -> dict[str, Any]:
+    """What a run directory says of a run's progress, for RunStatus."""
+    progress = run.status()
+    latest = run.latest_valid_checkpoint()
+    return {
+        "step": progress.step,
+        "max_steps": progress.max_steps,
+        "loss": progress.loss,
+        "tokens_per_s": progress.tokens_per_s,
+        "updated": progress.updated,
+        "exit_code": progress.exit_code,
+        "checkpoint": checkpoint_row(latest) if latest else None,
+        "restarts": run.restarts(),
+    }
 
 
 def summaries(registry: Registry) -> list[RunSummary]:

@@ -17,6 +17,8 @@ FOLLOW_POLL_S = 0.5
 def log_paths(registry: Registry, run: str, host: str | None) -> dict[str, Path]:
     run_dir = RunDir(registry.run(run)["run_dir"])
     hosts = [h["host"] for h in registry.hosts(run)]
+    if not hosts and host is None:  # a Slurm job: one output file per job (all its nodes)
+        return {p.stem: p for p in sorted(run_dir.path.glob("slurm-*.out"))}
     if host is not None:
         if host not in hosts:
             raise RlmctlError(f"run {run} has no host {host!r}; its hosts: {', '.join(hosts)}")

@@ -60,6 +60,8 @@ class RunStatus:
     checkpoint: CheckpointRow | None
     restarts: int  # trainer starts after the first one (trainer.rundir.RunDir.restarts)
     problem: str | None = None  # what the processes say against the state of record
+    # rlm_scheduler slurm: the run's job as Slurm reports it (job_id, state, exit_code, nodes).
+    slurm: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -106,3 +108,4 @@ class Launched:
     hosts: list[str]
     rdzv_endpoint: str
     kind: str = "launch"
+    job_id: str | None = None  # rlm_scheduler slurm

@@ -140,6 +140,9 @@ def status(info: RunStatus) -> None:
     )
     line(f"last checkpoint: {last}")
     line(f"restarts: {info.restarts}   run dir: {info.run_dir}")
+    if info.slurm:
+        job = info.slurm
+        line(f"slurm job {job['job_id']}: {job['state'] or 'unknown'}  nodes {job['nodes'] or '-'}")
     if info.problem:
         line(f"problem: {info.problem}")
 

@@ -49,7 +49,7 @@ BASE_PACKAGES = (
     "python3-apt",
 )
 # What the roles install on Debian (common's base list, firewall, exporters, Prometheus,
-# Alertmanager) plus what Ansible's own modules need on a bare node (apt, pip).
+# Alertmanager, Slurm) plus what Ansible's own modules need on a bare node (apt, pip).
 REPO_PACKAGES = (
     "pciutils",
     "chrony",
@@ -67,6 +67,12 @@ REPO_PACKAGES = (
     "prometheus",
     "prometheus-alertmanager",
     "python3-packaging",
+    # The slurm role (slurmctld, slurmd, slurmdbd + MariaDB for accounting, PMIx for srun).
+    "slurm-wlm",
+    "slurmdbd",
+    "munge",
+    "mariadb-server",
+    "libpmix2",
 )
 # Alternatives to the list above, fetched by themselves (they conflict with one of its packages).
 REPO_ALTERNATIVES = ("systemd-timesyncd",)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,8 +53,13 @@ def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
     host = load(local_inventory).select()[0]
     config = REPO / "trainer/configs/tiny.yaml"
     script = slurm.render(config, "exp1", 4, 8, "gpu", "12:00:00", host)
-    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"):
+    for line in ("#SBATCH --nodes=4", "#SBATCH --exclusive", "#SBATCH --partition=gpu"):
         assert line in script
+    # CPU hosts (vendor none) have no gres/gpu to ask for; GPU hosts do.
+    assert "--gpus-per-node" not in script
+    gpu_host = dataclasses.replace(host, gpu_vendor="amd")
+    gpu_script = slurm.render(config, "exp1", 4, 8, "gpu", "12:00:00", gpu_host, exclude=["n3"])
+    assert "#SBATCH --gpus-per-node=8" in gpu_script and "#SBATCH --exclude=n3" in gpu_script
     assert '--rdzv-endpoint="$head_node:29573"' in script and "--nproc-per-node=8" in script
     assert 'run_dir="$RUN_DIR"' in script and str(host.runs_dir / "exp1") in script
     syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
@@ -64,14 +71,21 @@ def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "requeued", "exit_code"),
+    ("status", "asked", "requeued", "exit_code"),
     [
-        ({"state": "stopped", "step": 40, "max_steps": 100}, True, 0),
-        ({"state": "done", "step": 100, "max_steps": 100}, False, 1),
+        ({"state": "stopped", "step": 40, "max_steps": 100}, False, True, 0),
+        ({"state": "done", "step": 100, "max_steps": 100}, False, False, 1),
+        # `rlmctl stop` recorded its request: the job ends, it does not requeue.
+        ({"state": "stopped", "step": 40, "max_steps": 100}, True, False, 1),
     ],
 )
 def test_slurm_script_requeues_only_a_run_stopped_before_its_end(
-    local_inventory: Path, tmp_path: Path, status: dict, requeued: bool, exit_code: int
+    local_inventory: Path,
+    tmp_path: Path,
+    status: dict,
+    asked: bool,
+    requeued: bool,
+    exit_code: int,
 ) -> None:
     # srun and scontrol cannot run here: stand-ins on PATH play Slurm's part. srun exits 1 the
     # way torchrun does after its workers were signalled; the run directory tells the rest.
@@ -81,8 +95,14 @@ def test_slurm_script_requeues_only_a_run_stopped_before_its_end(
     run.write_status(**status)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    # While the job runs, `rlmctl stop` records its request (when asked) before signalling.
+    record = (
+        f"{sys.executable} -c 'from trainer.rundir import RunDir; "
+        f'RunDir("{run.path}").append_event("stop_requested")\'\n'
+    )
+    (bin_dir / "srun").write_text("#!/bin/sh\n" + (record if asked else "") + "exit 1\n")
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scancel.log\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     env = {
@@ -96,3 +116,26 @@ def test_slurm_script_requeues_only_a_run_stopped_before_its_end(
     assert result.returncode == exit_code, result.stderr
     calls = (tmp_path / "scontrol.log").read_text()
     assert ("requeue 42" in calls) is requeued
+    cancelled = tmp_path / "scancel.log"
+    assert (cancelled.exists() and cancelled.read_text().split() == ["42"]) is asked
+
+
+def slurm_inventory(local_inventory: Path) -> Path:
+    hosts = local_inventory / "hosts.yml"
+    hosts.write_text(hosts.read_text() + "    rlm_scheduler: slurm\n", encoding="utf-8")
+    return local_inventory
+
+
+def test_watch_and_resume_refuse_slurm_runs_in_one_line(local_inventory: Path) -> None:
+    inventory = str(slurm_inventory(local_inventory))
+    for command in ("watch", "resume"):
+        result = rlmctl("-i", inventory, command, "some-run")
+        assert_one_line_error(result, 2, f"rlmctl {command} does not drive Slurm jobs yet")
+
+
+def test_slurm_launch_without_a_controller_group_writes_nothing(local_inventory: Path) -> None:
+    inventory = slurm_inventory(local_inventory)
+    config = str(REPO / "trainer/configs/tiny.yaml")
+    result = rlmctl("-i", str(inventory), "launch", "--config", config, "--name", "x", timeout=180)
+    assert_one_line_error(result, 2, "no 'mgmt' group", "Slurm controller")
+    assert not (inventory.parent / "shared" / "runs").exists()

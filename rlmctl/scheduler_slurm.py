@@ -1,0 +1,304 @@
+"""rlmctl's Slurm backend (`rlm_scheduler: slurm`): launch, status and stop through Slurm.
+
+Slurm allocates the nodes, starts one torchrun per node (the batch script of rlmctl.slurm), signals
+and requeues; rlmctl only submits, asks `squeue`/`sacct` and reads the run directory. Slurm's
+commands run on the submit host: the first host of the `mgmt` group (the controller, which has
+the Slurm client and munge), over the same SSH as everything else. The run directory and the
+registry are made as for an SSH launch; a submission Slurm refuses removes both again, so bad
+input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlmctl import slurm as batch_script
+from rlmctl.errors import RlmctlError
+from rlmctl.inventory import Host, Inventory
+from rlmctl.records import RunStatus
+from rlmctl.registry import Registry
+from rlmctl.remote import Fleet, Result
+from trainer.rundir import RunDir, read_json, write_json_atomic
+
+SUBMIT_GROUP = "mgmt"
+JOB_FILE = "slurm.json"  # in the run directory: the job id(s) of the run
+# sacct states after which a job will not run again.
+ENDED = frozenset(
+    {
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "PREEMPTED",
+    }
+)
+
+
+class SlurmRefused(RlmctlError):
+    """Slurm said no (unknown partition, too many nodes, controller down): exit 1."""
+
+    exit_code = 1
+
+
+@dataclass
+class Job:
+    job_id: str
+    state: str  # PENDING, RUNNING, COMPLETED, CANCELLED, ... ("" when Slurm does not know it)
+    exit_code: str = ""
+    nodes: str = ""
+    reason: str = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+
+def submit_host(inventory: Inventory) -> Host:
+    names = inventory.groups.get(SUBMIT_GROUP) or []
+    if not names:
+        raise RlmctlError(
+            f"rlm_scheduler is slurm but {inventory.source} has no '{SUBMIT_GROUP}' group: add the "
+            "Slurm controller (where sbatch runs) to it"
+        )
+    return inventory.hosts[names[0]]
+
+
+def _slurm_error(result: Result, what: str) -> SlurmRefused:
+    lines = [line.strip() for line in (result.stderr or "").splitlines() if line.strip()]
+    detail = lines[-1] if lines else result.reason
+    for prefix in ("sbatch: error: ", "squeue: error: ", "scancel: error: ", "sacct: error: "):
+        detail = detail.removeprefix(prefix)
+    hint = {
+        "Unable to contact slurm controller": "start slurmctld on the controller "
+        "(systemctl start slurmctld) or check SlurmctldHost in slurm.conf",
+        "invalid partition": "pick a partition `sinfo` lists (--partition)",
+        "Requested node configuration is not available": "ask for fewer --nodes than the "
+        "partition has (sinfo) or another --partition",
+        "Node count specification invalid": "ask for fewer --nodes than the partition has",
+        "Invalid credential": "the munge key differs between this host and the controller: "
+        "rerun site.yml --tags slurm",
+    }
+    fix = next((text for key, text in hint.items() if key.lower() in detail.lower()), None)
+    return SlurmRefused(f"{what}: {detail}" + (f"; {fix}" if fix else ""))
+
+
+def run_slurm(fleet: Fleet, host: Host, argv: list[str], what: str) -> Result:
+    result = fleet.run(shlex.join(argv), hosts=[host])[0]
+    if not result.ok:
+        raise _slurm_error(result, what)
+    return result
+
+
+def job_script(
+    run: RunDir,
+    name: str,
+    nodes: int,
+    partition: str | None,
+    time_limit: str,
+    exclude: list[str],
+    host: Host,
+) -> str:
+    return batch_script.render(
+        config=run.config_path,
+        name=name,
+        nodes=nodes,
+        gpus_per_node=host.gpus_per_node,
+        partition=partition,
+        time_limit=time_limit,
+        host=host,
+        run_dir=str(run.path),
+        exclude=exclude,
+    )
+
+
+def check_request(fleet: Fleet, inventory: Inventory, script: str) -> None:
+    """`sbatch --test-only`: Slurm judges partition, node count and credentials before anything
+    is written (the script travels on stdin; no job is created)."""
+    payload = base64.b64encode(script.encode()).decode()
+    command = f"echo {payload} | base64 -d | sbatch --test-only"
+    result = fleet.run(command, hosts=[submit_host(inventory)])[0]
+    if not result.ok:
+        raise _slurm_error(result, "Slurm refused the job")
+
+
+def submit(
+    fleet: Fleet,
+    inventory: Inventory,
+    registry: Registry,
+    name: str,
+    run: RunDir,
+    script: str,
+    kind: str,
+) -> str:
+    """Write the batch script into the run directory, sbatch it, record the job; its id."""
+    path = run.path / f"slurm-{kind}-{len(registry.launches(name)) + 1}.sh"
+    path.write_text(script, encoding="utf-8")
+    path.chmod(0o755)
+    result = run_slurm(
+        fleet, submit_host(inventory), ["sbatch", "--parsable", str(path)], "sbatch refused the job"
+    )
+    job_id = result.stdout.strip().splitlines()[-1].split(";")[0]
+    jobs = (read_json(run.path / JOB_FILE) or {}).get("jobs", [])
+    write_json_atomic(run.path / JOB_FILE, {"job_id": job_id, "jobs": [*jobs, job_id]})
+    registry.record_launch(name, kind, [], job_id, "")
+    run.record("launched", launch=kind, scheduler="slurm", job_id=job_id)
+    return job_id
+
+
+def launch(
+    fleet: Fleet,
+    inventory: Inventory,
+    hosts: list[Host],
+    config_file: Path,
+    name: str | None,
+    nodes: int | None,
+    overrides: list[str],
+    partition: str | None = None,
+    time_limit: str = "24:00:00",
+) -> tuple[str, RunDir, str]:
+    """Validate, create the run directory and registry entry, submit; what Slurm refuses
+    leaves neither behind. No health gate here: Slurm's HealthCheckProgram keeps unhealthy
+    nodes out of the allocation."""
+    from rlmctl import launch as launching
+
+    name = launching.run_name(config_file, name)
+    host = hosts[0]
+    count = nodes or len(hosts)
+    if count < 1:
+        raise RlmctlError(f"--nodes {count}: ask for at least one node")
+    run = RunDir(launching.runs_root(hosts) / name)
+    text = launching.resolve_config(config_file, overrides, run.path, count * host.gpus_per_node)
+    script = job_script(run, name, count, partition, time_limit, [], host)
+    check_request(fleet, inventory, script)  # before the registry or run directory is touched
+    registry = launching.open_registry(hosts)
+    launching.refuse_existing(run, registry, name)
+    launching.claim_run(run, registry, inventory, text, name)
+    try:
+        job_id = submit(fleet, inventory, registry, name, run, script, "launch")
+    except BaseException:
+        registry.remove_run(name)
+        run.discard()
+        raise
+    return name, run, job_id
+
+
+def job_id_of(run: RunDir) -> str | None:
+    record = read_json(run.path / JOB_FILE)
+    return str(record["job_id"]) if isinstance(record, dict) and record.get("job_id") else None
+
+
+def job(fleet: Fleet, inventory: Inventory, job_id: str) -> Job:
+    """squeue while Slurm holds the job (pending, running, requeued), else sacct."""
+    host = submit_host(inventory)
+    queued = run_slurm(
+        fleet,
+        host,
+        ["squeue", "--noheader", "--jobs", job_id, "--format=%T|%N|%r"],
+        "squeue failed",
+    ).stdout.strip()
+    if queued:
+        state, nodes, reason = ([*queued.splitlines()[0].split("|"), "", ""])[:3]
+        return Job(job_id, state, nodes=nodes, reason=reason)
+    rows = run_slurm(
+        fleet,
+        host,
+        [
+            "sacct",
+            "--noheader",
+            "--parsable2",
+            "--allocations",
+            "--jobs",
+            job_id,
+            "--format=State,ExitCode,NodeList",
+        ],
+        "sacct failed",
+    ).stdout.splitlines()
+    if not rows:
+        return Job(job_id, "")
+    state, code, nodes = ([*rows[-1].split("|"), "", ""])[:3]
+    return Job(job_id, state.split()[0], exit_code=code, nodes=nodes)
+
+
+def stop(fleet: Fleet, inventory: Inventory, run: RunDir, timeout: float) -> Job:
+    """SIGTERM to every task of the job's steps (the trainer checkpoints and exits 0; the batch
+    script sees the recorded request and cancels its job), wait, then cancel whatever is left.
+
+    Not `--full`: that signals the batch step too, whose srun answers SIGTERM by terminating
+    the training step (SIGKILL after KillWait) before the trainer can checkpoint (seen on the
+    rig with Slurm 22.05)."""
+    job_id = job_id_of(run)
+    if job_id is None:
+        raise RlmctlError(f"run {run.name} has no Slurm job recorded ({run.path / JOB_FILE})")
+    current = job(fleet, inventory, job_id)
+    if current.ended:
+        return current
+    run.record("stop_requested", timeout_s=timeout, job_id=job_id)
+    host = submit_host(inventory)
+    if current.state == "RUNNING":
+        run_slurm(
+            fleet,
+            host,
+            ["scancel", "--signal=TERM", job_id],
+            "scancel failed",
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = run.state()
+            if state is not None and not state.active:
+                break
+            time.sleep(1)
+    run_slurm(fleet, host, ["scancel", job_id], "scancel failed")
+    deadline = time.monotonic() + 60
+    current = job(fleet, inventory, job_id)
+    while not current.ended and time.monotonic() < deadline:
+        time.sleep(1)
+        current = job(fleet, inventory, job_id)
+    with contextlib.suppress(Exception):
+        run.record("stopped", job_id=job_id)
+    return current
+
+
+def run_dir_of(registry: Registry, name: str) -> RunDir:
+    return RunDir(Path(registry.run(name)["run_dir"]))
+
+
+def status(fleet: Fleet, inventory: Inventory, registry: Registry, name: str) -> RunStatus:
+    """The run directory's state of record next to what Slurm says of the run's job."""
+    from rlmctl.launch import progress_fields
+
+    run = run_dir_of(registry, name)
+    job_id = job_id_of(run)
+    current = job(fleet, inventory, job_id) if job_id else Job("", "")
+    state = run.state()
+    problem = None
+    if state is not None and state.active and (current.ended or not current.state):
+        problem = (
+            f"recorded {state.value} but Slurm job {job_id} is {current.state or 'unknown'}; "
+            f"see `rlmctl logs {name}`, then `rlmctl resume {name}`"
+        )
+    elif state is not None and not state.active and current.state == "RUNNING":
+        problem = f"recorded {state.value} but Slurm job {job_id} is still RUNNING"
+    return RunStatus(
+        run=name,
+        state=state,
+        run_dir=str(run.path),
+        hosts=[],
+        problem=problem,
+        **progress_fields(run),
+        slurm={
+            "job_id": current.job_id,
+            "state": current.state,
+            "exit_code": current.exit_code,
+            "nodes": current.nodes,
+            "reason": current.reason,
+        },
+    )

@@ -1,0 +1,51 @@
+"""A Slurm cluster on systemd rig nodes: 1 mgmt (slurmctld, slurmdbd, MariaDB) + 3 compute
+(slurmd), set up by site.yml from the rig's local apt repository. Shared by tests/slurm/.
+
+What the rig needs and a real site does not: nspawn mounts the cgroup v1 controllers read-only
+in a node, so they are remounted read-write before slurmd starts (docs/rig.md, facts on Slurm in
+nspawn nodes); the rig's cgroups are v1 + a cgroup2 mount, which Slurm's v2 plugin refuses
+("Hybrid mode is not supported"), hence CgroupPlugin=cgroup/v1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.ansible.systemd_site import build_offline_stacks, site_inventory
+from tests.rig import Rig
+
+SLOT = 4  # see docs/rig.md for the slots of each module
+NODES = 4  # node1: mgmt (controller); node2..node4: compute
+# The plays Slurm jobs need: validation (always), the base system (apt lists, limits), the
+# trainer venv, Slurm. tests/ansible/test_site_systemd.py applies all of site.yml to the same
+# kind of nodes; here common installs only a short package list to keep the module's time.
+SITE_TAGS = "common,trainer_env,slurm"
+# The rerun covers the Slurm play (the others' reruns are test_site_systemd's); check mode runs
+# common too, which refreshes a bare node's apt lists, as site.yml --check does.
+SLURM_TAGS = "slurm"
+CHECK_TAGS = "common,slurm"
+
+
+def remount_cgroups_writable(rig: Rig, host: str) -> None:
+    rig.exec(
+        host,
+        "for c in /sys/fs/cgroup/*/; do c=${c%/}; case $c in */unified|*/systemd) continue;; esac; "
+        'mountpoint -q "$c" && mount -o remount,bind,rw "$c"; done',
+    )
+
+
+def slurm_inventory(rig: Rig, work: Path) -> dict[str, Any]:
+    wheelhouse, stacks = build_offline_stacks(rig, work)
+    inventory = site_inventory(rig, wheelhouse, stacks)
+    inventory["all"]["vars"].update(
+        {
+            "rlm_scheduler": "slurm",
+            "slurm_cgroup_plugin": "cgroup/v1",
+            # Rig nodes have no GPU device files to confine.
+            "slurm_constrain_devices": False,
+            "common_packages": ["procps", "iproute2"],
+            "common_time_sync": "none",
+        }
+    )
+    return inventory

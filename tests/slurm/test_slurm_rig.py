@@ -1,0 +1,244 @@
+"""Slurm for real on the rig: site.yml sets up slurmctld, slurmdbd + MariaDB, munge and slurmd on
+1 mgmt + 3 compute systemd nodes (tests/slurm/slurm_rig.py); then the checks run against the
+real daemons. One rig for the module."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ansible.playbook_run import REPO, PlaybookRun, run_playbook, write_inventory
+from tests.rig import Rig
+from tests.rlmctl.conftest import rlmctl
+from tests.slurm.slurm_rig import (
+    CHECK_TAGS,
+    NODES,
+    SITE_TAGS,
+    SLOT,
+    SLURM_TAGS,
+    remount_cgroups_writable,
+    slurm_inventory,
+)
+from tests.test_rig_systemd import systemd_unavailable
+
+pytestmark = [pytest.mark.rig, pytest.mark.timeout(1800)]
+COMPUTE = ("node2", "node3", "node4")
+
+
+@dataclass
+class Cluster:
+    rig: Rig
+    check: PlaybookRun
+    first: PlaybookRun
+    second: PlaybookRun
+    first_s: float
+    second_s: float
+    inventory: Path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if reason := systemd_unavailable():
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("slurm")
+    with Rig(NODES, slot=SLOT, release="bookworm") as rig:
+        for name in COMPUTE:
+            remount_cgroups_writable(rig, name)
+        inventory = write_inventory(work / "hosts.yml", slurm_inventory(rig, work))
+        check = run_playbook("site.yml", inventory, work, check=True, tags=CHECK_TAGS, timeout=600)
+        started = time.monotonic()
+        first = run_playbook("site.yml", inventory, work, tags=SITE_TAGS, timeout=900)
+        first_s = time.monotonic() - started
+        second, second_s = first, 0.0
+        if first.rc == 0:
+            started = time.monotonic()
+            second = run_playbook("site.yml", inventory, work, tags=SLURM_TAGS, timeout=600)
+            second_s = time.monotonic() - started
+        print(
+            f"\nsite.yml --tags {SITE_TAGS}: first run {first_s:.0f}s; "
+            f"--tags {SLURM_TAGS} rerun {second_s:.0f}s"
+        )
+        if first.rc == 0:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "trainer",
+                    "prepare",
+                    "--out",
+                    str(rig.shared_dir / "data"),
+                    "--seq-len",
+                    "64",
+                ],
+                check=True,
+                capture_output=True,
+                cwd=REPO,
+            )
+        yield Cluster(rig, check, first, second, first_s, second_s, inventory)
+
+
+def test_check_mode_on_bare_nodes_plans_the_packages_and_fails_nothing(cluster: Cluster) -> None:
+    for host in cluster.rig.hosts:
+        assert cluster.check.failures(host.name) == [], host.name
+        assert cluster.check.task(host.name, "Install the Slurm packages").changed
+    assert cluster.check.rc == 0, cluster.check.stderr[-2000:]
+
+
+def test_site_brings_slurm_up_and_a_rerun_changes_nothing(cluster: Cluster) -> None:
+    for host in cluster.rig.hosts:
+        assert cluster.first.failures(host.name) == [], host.name
+    assert cluster.first.rc == 0, cluster.first.stderr[-2000:]
+    for host in cluster.rig.hosts:
+        assert cluster.second.stats(host.name)["changed"] == 0, cluster.second.changed(host.name)
+    assert cluster.second.rc == 0
+
+
+def test_sinfo_shows_every_compute_node_idle(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    out = cluster.rig.exec("node1", "sinfo --noheader --Node --format='%N %P %T'").stdout
+    assert sorted(out.split("\n")[:-1]) == [f"{n} compute* idle" for n in COMPUTE], out
+
+
+def test_munge_key_is_one_key_private_to_munge(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    sums = set()
+    for host in cluster.rig.hosts:
+        stat = cluster.rig.exec(host, "stat -c '%a %U' /etc/munge/munge.key").stdout.split()
+        assert stat == ["400", "munge"], host.name
+        sums.add(cluster.rig.exec(host, "sha256sum /etc/munge/munge.key").stdout.split()[0])
+    assert len(sums) == 1
+    # no_log: the key's bytes never reach the play's output.
+    key_tasks = [r for r in cluster.first.results if "munge key" in r.task.lower()]
+    assert key_tasks and all("content" not in r.result for r in key_tasks)
+
+
+def test_a_job_runs_on_compute_nodes_and_sacct_records_it(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    rig = cluster.rig
+    out = rig.exec("node1", "srun --nodes=3 --ntasks-per-node=1 hostname", timeout=120).stdout
+    assert sorted(out.split()) == list(COMPUTE)
+    job = rig.exec("node1", "sbatch --parsable --nodes=1 --wrap 'true'").stdout.strip()
+    deadline = time.monotonic() + 60
+    state = ""
+    while time.monotonic() < deadline:
+        state = rig.exec(
+            "node1", f"sacct --noheader --parsable2 --jobs {job} --format=State --allocations"
+        ).stdout.strip()
+        if state == "COMPLETED":
+            break
+        time.sleep(1)
+    assert state == "COMPLETED"
+
+
+CONFIG = str(REPO / "trainer/configs/tiny.yaml")
+TINY = ["data.path=data", "train.global_batch=8", "train.micro_batch=2", "metrics.log_every=1"]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(1)
+    return value
+
+
+def status_of(cluster: Cluster, run: str) -> dict:
+    result = rlmctl("-i", str(cluster.inventory), "status", run, "--json")
+    assert "Traceback" not in result.stderr, result.stderr
+    return json.loads(result.stdout) if result.stdout.strip() else {}
+
+
+def run_processes(cluster: Cluster, run_dir: Path) -> dict[str, str]:
+    """Per compute node, processes whose command line names the run directory."""
+    text = str(run_dir)
+    pattern = f"[{text[0]}]{text[1:]}"  # matches the run's processes, not this pgrep's shell
+    out = {}
+    for name in COMPUTE:
+        found = cluster.rig.exec(name, f"pgrep -af '{pattern}' || true").stdout.strip()
+        if found:
+            out[name] = found
+    return out
+
+
+def test_launch_trains_tiny_on_two_nodes_to_completion(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    run = "slurm-done"
+    argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2", "--json"]
+    result = rlmctl("-i", str(cluster.inventory), *argv, *TINY, "train.steps=20", timeout=180)
+    assert result.returncode == 0, result.stderr
+    job_id = json.loads(result.stdout)["job_id"]
+    final = wait_for(
+        lambda: (s := status_of(cluster, run)) and s["slurm"]["state"] == "COMPLETED" and s,
+        240,
+        "the job to complete",
+    )
+    assert final["state"] == "done" and final["step"] == 20, final
+    assert final["slurm"]["job_id"] == job_id and final["slurm"]["exit_code"] == "0:0"
+    nodes = cluster.rig.exec(
+        "node1", f"sacct -n -X -P -j {job_id} --format=State,NNodes,NodeList"
+    ).stdout.split("|")
+    assert nodes[0] == "COMPLETED" and nodes[1] == "2", nodes
+    logs = rlmctl("-i", str(cluster.inventory), "logs", run, "-n", "500").stdout
+    assert "step 20/20" in logs
+
+
+def test_stop_mid_run_checkpoints_and_cancels(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    run = "slurm-stop"
+    overrides = [*TINY, "train.steps=100000", "checkpoint.interval_steps=1000"]
+    argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2"]
+    result = rlmctl("-i", str(cluster.inventory), *argv, *overrides, timeout=180)
+    assert result.returncode == 0, result.stderr
+    wait_for(lambda: (status_of(cluster, run).get("step") or 0) >= 5, 240, "step 5")
+    stopped = rlmctl("-i", str(cluster.inventory), "stop", run, "--timeout", "90", timeout=240)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    status = status_of(cluster, run)
+    assert status["slurm"]["state"] == "CANCELLED", status
+    assert status["state"] == "stopped" and status["checkpoint"]["valid"], status
+    assert status["checkpoint"]["step"] >= 5  # the signal's checkpoint, not the interval's
+    assert run_processes(cluster, Path(status["run_dir"])) == {}
+
+
+def registry_rows(cluster: Cluster) -> list[str]:
+    listed = rlmctl("-i", str(cluster.inventory), "runs", "--json")
+    return [row["name"] for row in json.loads(listed.stdout or "[]")]
+
+
+@pytest.mark.parametrize(
+    ("args", "reason", "fix"),
+    [
+        (
+            ["--nodes", "2", "--partition", "nope"],
+            ("Invalid partition name specified",),
+            "pick a partition",
+        ),
+        (
+            ["--nodes", "4"],
+            ("Node count specification invalid", "Requested node configuration is not available"),
+            "fewer --nodes",
+        ),
+    ],
+    ids=["unknown-partition", "too-many-nodes"],
+)
+def test_a_job_slurm_refuses_is_one_line_and_leaves_nothing(
+    cluster: Cluster, args: list[str], reason: tuple[str, ...], fix: str
+) -> None:
+    assert cluster.first.rc == 0
+    run = "slurm-refused"
+    before = registry_rows(cluster)
+    argv = ["launch", "--config", CONFIG, "--name", run, *args, *TINY]
+    result = rlmctl("-i", str(cluster.inventory), *argv, timeout=180)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert any(text in lines[0] for text in reason) and fix in lines[0], lines[0]
+    assert not (cluster.rig.shared_dir / "runs" / run).exists()
+    assert registry_rows(cluster) == before
