@@ -4,13 +4,26 @@ strategies without repeating or skipping a sample, and SIGKILL during an async s
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import torch
 
 from tests.trainer.faults import Faults, faults_env
+from tests.trainer.file_opens import opened_files
 from tests.trainer.training_runs import TINY, overrides, tiny_config, torchrun
-from trainer.rundir import ExitCode, RunDir, read_jsonl, verify_checkpoint
+from trainer import sharded_checkpoint
+from trainer.checkpoint import CheckpointConfig, CheckpointStore
+from trainer.model import PRESETS, RecurrentLM
+from trainer.rundir import (
+    MANIFEST_NAME,
+    ExitCode,
+    RunDir,
+    read_json,
+    read_jsonl,
+    sha256_file,
+    verify_checkpoint,
+)
 from trainer.train import train
 
 # 12 samples per step: 2 ranks × 3 micro-batches of 2, 3 ranks × 2, or 1 process × 6.
@@ -54,6 +67,48 @@ def positions_by_step(run_dir: Path) -> dict[int, list[int]]:
         for record in read_jsonl(path):
             by_step.setdefault(record["step"], []).extend(record["positions"])
     return by_step
+
+
+def one_rank_state() -> dict:
+    """A tiny model after one AdamW step, as a single-rank sharded save holds it."""
+    torch.manual_seed(0)
+    model = RecurrentLM(PRESETS["tiny"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    model(ids, labels=ids, num_steps=2).loss.backward()
+    optimizer.step()
+    rest = {"progress": {"step": 1}, "config": {}, "version": "test"}
+    return {**sharded_checkpoint.tensor_state(model, optimizer), **rest}
+
+
+def test_sharded_save_hashes_while_writing_and_reads_nothing_back(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run").create()
+    state = one_rank_state()
+    for async_save in (False, True):
+        cfg = CheckpointConfig(format="sharded", async_save=async_save, keep_last=0)
+        store = CheckpointStore(run, cfg, 0, 1)
+        step = 2 if async_save else 1
+        with warnings.catch_warnings(), opened_files(run.checkpoints_dir) as opens:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            assert store.save(step, state)
+            store.wait()
+        assert store.failures == 0
+        path = run.checkpoint_path(step)
+        written = {p.name for p in opens.written()}
+        assert {"__0_0.distcp", ".metadata.tmp", "trainer_state.pt"} <= written, written
+        # The manifest's sha256 came from the writes: no file was opened to be read back (only
+        # manifests, which retention reads to list the checkpoints).
+        read_back = [p for p in opens.read() if p.name != MANIFEST_NAME]
+        assert read_back == [], read_back
+        manifest = read_json(path / MANIFEST_NAME)
+        assert sorted(manifest["files"]) == [
+            "dcp/.metadata",
+            "dcp/__0_0.distcp",
+            "trainer_state.pt",
+        ]
+        for name, entry in manifest["files"].items():
+            assert entry["sha256"] == sha256_file(path / name), name
+        assert verify_checkpoint(path, full=True).valid
 
 
 def test_resume_across_world_sizes_and_strategies(prepared_data: Path, tmp_path: Path) -> None:
