@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -125,3 +126,14 @@ def read_shards(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     group = None if not dist.is_initialized() else dist.group.WORLD
     dcp.load(template, checkpoint_id=str(path / DCP_DIR), process_group=group)
     return template
+
+
+def read_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """The model weights of a sharded checkpoint, whatever world size and strategy wrote them,
+    into an unsharded model in this one process (export, generate); the optimizer shards are not
+    read."""
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)
+    model.load_state_dict(state["model"])

@@ -273,15 +273,18 @@ class Run:
     @classmethod
     def build(cls, cfg: Config, env: DistEnv, dataset: TokenDataset, hooks: TrainHooks) -> Run:
         # Built on the meta device and initialised in place: a 3.5 B model never materialises in
-        # host memory eight times per node.
+        # host memory eight times per node. FSDP/HSDP shard it while still on meta, so each rank
+        # allocates only its shards; the optimizer then holds the shards.
         with torch.device("meta"):
             model = RecurrentLM(cfg.model)
-        model.to_empty(device=env.device)
-        torch.manual_seed(cfg.seed)
-        model.init_weights()
-        # FSDP/HSDP shard the initialised weights in place; the optimizer then holds the shards.
         sharded = cfg.parallel.strategy != "ddp" and env.distributed
         comm = parallel.shard_model(model, cfg, env) if sharded else None
+        model.to_empty(device=env.device)
+        torch.manual_seed(cfg.seed)
+        if sharded:
+            parallel.init_sharded_weights(model)
+        else:
+            model.init_weights()
         optimizer = build_optimizer(model, cfg.optim, env.device)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
         scaler = torch.amp.GradScaler(env.device.type) if cfg.train.precision == "fp16" else None

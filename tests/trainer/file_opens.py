@@ -23,12 +23,12 @@ _installed = False
 
 class OpenedFiles:
     def __init__(self, root: Path) -> None:
-        self.root = os.fspath(Path(root).resolve())
+        self.prefix = os.path.join(os.fspath(Path(root).resolve()), "")
         self.events: list[tuple[str, bool]] = []  # (path, read-only), in order
 
     def see(self, path: str, mode: str | None, flags: int) -> None:
         path = os.path.abspath(path)
-        if not path.startswith(self.root + os.sep) or os.path.isdir(path):
+        if not path.startswith(self.prefix) or os.path.isdir(path):
             return
         if mode is not None:
             read_only = "r" in mode and "+" not in mode
