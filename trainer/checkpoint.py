@@ -179,7 +179,7 @@ def to_host(obj: Any, staging: dict[tuple[Any, ...], torch.UntypedStorage] | Non
             host = staging.get(where)
             if host is None or host.nbytes() != source.nbytes():
                 host = torch.UntypedStorage(source.nbytes())
-                if t.device.type == "cuda":
+                if t.device.type != "cpu":
                     host = host.pin_memory()
                 staging[where] = host
             host.copy_(source)
@@ -613,7 +613,8 @@ class CheckpointStore:
             damaged = [i for i in checkpoints if (i.path / MANIFEST_NAME).exists()]
             listing = (candidates, [(i.path.name, i.reason) for i in damaged])
         candidates, damaged = self.ranks.broadcast(listing)
-        state = self._first_readable(candidates)
+        # Every candidate has a manifest, so when none is readable the DataError below stops.
+        state = self._first_readable(candidates, none_left="none left: the resume stops")
         if state is None and damaged:
             newest, reason = damaged[-1]
             raise DataError(
@@ -623,10 +624,9 @@ class CheckpointStore:
             )
         return state
 
-    def _first_readable(
-        self, candidates: list[str], none_left: str = "a fresh start"
-    ) -> dict[str, Any] | None:
-        """The state of the first candidate every rank can read; all ranks skip the others."""
+    def _first_readable(self, candidates: list[str], none_left: str) -> dict[str, Any] | None:
+        """The state of the first candidate every rank can read; all ranks skip the others.
+        `none_left` says in the warning what happens after the last candidate fails."""
         for i, name in enumerate(candidates):
             state, problems = self._read_on_every_rank(Path(name))
             if not problems:
@@ -701,7 +701,8 @@ class CheckpointStore:
     def roll_back_state(self, step: int) -> dict[str, Any] | None:
         """The state of the newest checkpoint older than `step` that every rank can read."""
         candidates = self.rollback_candidates(step) if self.rank == 0 else None
-        return self._first_readable(self.ranks.broadcast(candidates), none_left="nothing")
+        candidates = self.ranks.broadcast(candidates)
+        return self._first_readable(candidates, none_left="none left: no rollback")
 
     def set_aside_newer(self, step: int) -> None:
         """After a rollback to `step`: hide the newer checkpoints of the abandoned trajectory.

@@ -62,7 +62,7 @@ from trainer.model import RecurrentLM
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def check_strategy(cfg: Config, world_size: int, cuda: bool) -> None:
+def check_strategy(cfg: Config, world_size: int, gpu: bool) -> None:
     """One-line ConfigErrors for combinations that cannot work; before the process group forms."""
     p = cfg.parallel
     if p.strategy == "ddp":
@@ -74,7 +74,7 @@ def check_strategy(cfg: Config, world_size: int, cuda: bool) -> None:
             f"train.precision=fp16 is not supported with parallel.strategy={p.strategy} (ranks "
             "would disagree on which steps overflow); use train.precision=bf16, or strategy=ddp"
         )
-    if p.offload and not cuda:
+    if p.offload and not gpu:
         raise ConfigError(
             "parallel.offload=true needs GPUs (it offloads device memory to the host); "
             "set parallel.offload=false"

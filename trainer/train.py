@@ -177,8 +177,7 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
     # Everything that can be wrong with the input is checked before the process group forms.
     world_size = distributed.world_size_from_env()
     accum_steps = check_world_size(cfg, world_size)
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    parallel.check_strategy(cfg, world_size, cuda)
+    parallel.check_strategy(cfg, world_size, distributed.use_accelerator(cfg.train.device))
     train_ds, val_ds = open_data(cfg)
     set_deterministic(cfg)
 
@@ -463,8 +462,7 @@ def train_step(
     run.progress.tokens += tokens_per_step
     run.cursor.advance(tcfg.global_batch)
     run.health.record(finite)
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
+    distributed.synchronize(env.device)
     return StepResult(
         step=run.progress.step,
         loss=loss_value,

@@ -121,7 +121,7 @@ def test_unsupported_combinations_are_refused_in_one_line(
     strategy = [] if any("hsdp" in e for e in extra) else ["parallel.strategy=fsdp"]
     cfg = load_config(TINY, [f"run_dir={tmp_path}", "data.path=x", *strategy, *extra])
     with pytest.raises(ConfigError, match=message) as info:
-        check_strategy(cfg, world_size=4, cuda=False)
+        check_strategy(cfg, world_size=4, gpu=False)
     assert "\n" not in str(info.value)
 
 
