@@ -5,6 +5,12 @@
    target MFU >= 45 %.
 2. `huginn-3.5b`, one training step at seq 4096 with activation checkpointing, bf16, fsdp:
    step time, MFU, peak memory; target: it fits.
+3. CPU offload (`parallel.offload=true`, FSDP2's CPUOffloadPolicy): the `1b` run of 1 again for a
+   few steps with parameters and AdamW state in host memory: tokens/s and peak device memory next
+   to run 1's (offload cannot run without a GPU: this is its only test).
+4. FSDP vs DDP device memory per rank at 2 ranks (`small` widened to ~24 M parameters, as in
+   tests/trainer/test_parallel.py): peak device memory of rank 0, FSDP should be about half;
+   needs 2 GPUs (skipped with one: NCCL refuses two ranks on one device).
 
 Both run the real trainer (`torchrun -m trainer train`) on data prepared from the embedded corpus
 (the sampler wraps epochs, so a small corpus still fills any batch) and read rank 0's
@@ -13,7 +19,8 @@ iterations actually executed, so it stays comparable.
 
     python bench/gpu.py [--steps 12] [--depth 8] [--out DIR]
 
-Not run on this project's CI (no GPU); say so when quoting figures.
+Not run on this project's CI (no GPU); say so when quoting figures. About 6-8 minutes on one
+H100/H200-class GPU (the runs have their own timeouts).
 """
 
 from __future__ import annotations
@@ -35,9 +42,9 @@ from trainer.rundir import RunDir  # noqa: E402
 WARMUP_STEPS = 3  # compilation and allocator warm-up, left out of the medians
 
 
-def train(run_dir: Path, data: Path, *overrides: str, timeout: float) -> list[dict]:
+def train(run_dir: Path, data: Path, *overrides: str, timeout: float, nproc: int = 1) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=1", "-m", "trainer", "train"]
+    command += [f"--nproc-per-node={nproc}", "-m", "trainer", "train"]
     command += ["--config", str(REPO / "trainer/configs/tiny.yaml")]
     command += [f"data.path={data}", f"run_dir={run_dir}", "eval.every=0", "metrics.log_every=1"]
     command += ["train.precision=bf16", "train.device=cuda", "parallel.strategy=fsdp"]
@@ -109,6 +116,41 @@ def main() -> None:
         timeout=900,
     )
     summary("huginn-3.5b, bf16, fsdp world 1, activation checkpointing, seq 4096", records, 1)
+
+    records = train(
+        base / "1b-offload",
+        data,
+        "model.preset=1b",
+        "model.compile=true",
+        "parallel.offload=true",
+        f"model.mean_recurrence={args.depth}",
+        "train.steps=5",
+        f"train.global_batch={args.micro_batch}",
+        f"train.micro_batch={args.micro_batch}",
+        timeout=600,
+    )
+    summary("1b, bf16, fsdp world 1, CPU offload, seq 4096", records, 2)
+
+    if torch.cuda.device_count() < 2:
+        print("ddp vs fsdp memory at 2 ranks: skipped (needs 2 GPUs)")
+    else:
+        memory_model = ["model.preset=small", "model.d_model=512", "model.mlp_hidden=1408"]
+        short = base / "data-64"  # the small preset's sequences (max_seq_len 256)
+        prepare(short, seq_len=64, vocab_size=4096)
+        for strategy in ("ddp", "fsdp"):
+            records = train(
+                base / f"memory-{strategy}",
+                short,
+                *memory_model,
+                f"parallel.strategy={strategy}",
+                "train.precision=fp32",
+                "train.steps=4",
+                "train.global_batch=2",
+                "train.micro_batch=1",
+                timeout=300,
+                nproc=2,
+            )
+            summary(f"{strategy} 2 ranks, ~24 M parameters, fp32 (rank 0)", records, 1)
     print(f"run directories under {base}")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from trainer import sharded_checkpoint
 from trainer.errors import ConfigError, DataError, UserError
+from trainer.hashed_write import HashingWriter, without_zip_crc32
 from trainer.rundir import (
     CHECKPOINT_DIR_RE,
     MANIFEST_NAME,
@@ -179,7 +179,7 @@ def to_host(obj: Any, staging: dict[tuple[Any, ...], torch.UntypedStorage] | Non
             host = staging.get(where)
             if host is None or host.nbytes() != source.nbytes():
                 host = torch.UntypedStorage(source.nbytes())
-                if t.device.type == "cuda":
+                if t.device.type != "cpu":
                     host = host.pin_memory()
                 staging[where] = host
             host.copy_(source)
@@ -209,52 +209,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class _HashingWriter:
-    """A file wrapper that computes the sha256 of what it writes and keeps the OSError of a failed
-    write (torch.save reports it as "RuntimeError: unexpected pos ..."; the operator needs
-    "No space left on device").
-
-    Large chunks are hashed in a helper thread while the main one writes them (hashlib and file
-    writes both release the GIL), so the manifest costs no second pass over the data.
-    """
-
-    def __init__(self, file: Any, pool: ThreadPoolExecutor) -> None:
-        self.file = file
-        self.pool = pool
-        self.sha256 = hashlib.sha256()
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        # torch may reuse `data`'s memory after we return: the hash must be done by then.
-        hashing = self.pool.submit(self.sha256.update, data)
-        try:
-            return self.file.write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
-        finally:
-            hashing.result()
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-@contextlib.contextmanager
-def _without_zip_crc32() -> Iterator[None]:
-    # The manifest's sha256 covers every byte already; torch's per-record CRC32 would be one more
-    # pass over the data (~20 % of a save). The option is process-wide, hence the restore.
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(previous)
-
-
 def _save_file(obj: Any, path: Path, pool: ThreadPoolExecutor) -> str:
     """Write `obj` with torch.save, fsync it, and return its sha256."""
-    with open(path, "wb") as f, _without_zip_crc32():
-        writer = _HashingWriter(f, pool)
+    with open(path, "wb") as f, without_zip_crc32():
+        writer = HashingWriter(f, pool)
         try:
             torch.save(obj, writer)
         except RuntimeError as exc:
@@ -263,7 +221,7 @@ def _save_file(obj: Any, path: Path, pool: ThreadPoolExecutor) -> str:
             raise
         f.flush()
         os.fsync(f.fileno())
-    return writer.sha256.hexdigest()
+    return writer.hexdigest()
 
 
 def _mib(nbytes: int) -> str:
@@ -448,15 +406,15 @@ class CheckpointStore:
         tensors = {"model": state["model"], "optimizer": state["optimizer"]}
         rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
         try:
-            future = sharded_checkpoint.write_shards(
+            write = sharded_checkpoint.ShardWrite(
                 tensors, tmp, self.ranks.checkpoint_group, self.cfg.async_save
             )
         except Exception as exc:
             return self._failed(step, exc, tmp if self.rank == 0 else None)
-        if future is None:
-            return self._finish_sharded(step, tmp, rest, None, started)
+        if not self.cfg.async_save:
+            return self._finish_sharded(step, tmp, rest, write, started)
         # DCP has copied the tensors to host memory; the rest is small but mutated by training.
-        args = (step, tmp, to_host(rest), future, started)
+        args = (step, tmp, to_host(rest), write, started)
         self._thread = threading.Thread(
             target=self._finish_sharded, args=args, name=f"checkpoint-{step}", daemon=False
         )
@@ -481,16 +439,19 @@ class CheckpointStore:
         return "write", str(tmp)
 
     def _finish_sharded(
-        self, step: int, tmp: Path, rest: dict[str, Any], future: Any, started: float
+        self,
+        step: int,
+        tmp: Path,
+        rest: dict[str, Any],
+        write: sharded_checkpoint.ShardWrite,
+        started: float,
     ) -> bool:
-        """Every rank: wait for its shards and hash them; rank 0: trainer_state.pt, manifest,
+        """Every rank: wait for its shards and their digests; rank 0: trainer_state.pt, manifest,
         rename. Collectives only on the checkpoint group (this may be the async thread)."""
         problem, mine = None, {}
         try:
-            if future is not None:
-                future.result()
+            mine = write.digests()
             self.phase_hook(f"shards-written:{step}")
-            mine = sharded_checkpoint.digests_of_rank(tmp, self.rank)
         except Exception as exc:
             problem = _first_line(exc)
         gathered = self.ranks.gather_for_checkpoint((mine, problem))
@@ -652,7 +613,8 @@ class CheckpointStore:
             damaged = [i for i in checkpoints if (i.path / MANIFEST_NAME).exists()]
             listing = (candidates, [(i.path.name, i.reason) for i in damaged])
         candidates, damaged = self.ranks.broadcast(listing)
-        state = self._first_readable(candidates)
+        # Every candidate has a manifest, so when none is readable the DataError below stops.
+        state = self._first_readable(candidates, none_left="none left: the resume stops")
         if state is None and damaged:
             newest, reason = damaged[-1]
             raise DataError(
@@ -662,10 +624,9 @@ class CheckpointStore:
             )
         return state
 
-    def _first_readable(
-        self, candidates: list[str], none_left: str = "a fresh start"
-    ) -> dict[str, Any] | None:
-        """The state of the first candidate every rank can read; all ranks skip the others."""
+    def _first_readable(self, candidates: list[str], none_left: str) -> dict[str, Any] | None:
+        """The state of the first candidate every rank can read; all ranks skip the others.
+        `none_left` says in the warning what happens after the last candidate fails."""
         for i, name in enumerate(candidates):
             state, problems = self._read_on_every_rank(Path(name))
             if not problems:
@@ -740,7 +701,8 @@ class CheckpointStore:
     def roll_back_state(self, step: int) -> dict[str, Any] | None:
         """The state of the newest checkpoint older than `step` that every rank can read."""
         candidates = self.rollback_candidates(step) if self.rank == 0 else None
-        return self._first_readable(self.ranks.broadcast(candidates), none_left="nothing")
+        candidates = self.ranks.broadcast(candidates)
+        return self._first_readable(candidates, none_left="none left: no rollback")
 
     def set_aside_newer(self, step: int) -> None:
         """After a rollback to `step`: hide the newer checkpoints of the abandoned trajectory.

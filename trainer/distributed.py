@@ -2,8 +2,9 @@
 
 Launch is torchrun's job: it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without
 them the trainer runs as one process and never creates a process group, so every collective here
-is a no-op at world size 1. GPUs use the `nccl` backend (ROCm builds of torch map it to RCCL); CPU
-runs use `gloo`.
+is a no-op at world size 1. The torch device type and the process-group backend of GPUs come from
+the vendor descriptions (clusterspec/vendors: TORCH_DEVICE, DIST_BACKEND) through one lookup,
+`accelerator()`; CPU runs use `gloo`. No other trainer module names a device type or backend.
 
 Gradients are averaged by DDP through one communication hook of ours: it casts each bucket to the
 wire dtype (`comm.compression`), divides by the pre-divide factor, all-reduces, divides by
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from clusterspec import vendors
 from trainer.config import CommConfig
 from trainer.errors import ConfigError, UserError
 from trainer.rundir import ExitCode
@@ -72,6 +74,44 @@ class DistEnv:
         return self.backend is not None
 
 
+@dataclass(frozen=True)
+class Accelerator:
+    """A torch device type and the process-group backend that goes with it."""
+
+    device_type: str
+    backend: str
+
+    @property
+    def module(self) -> Any:
+        """torch's module of the device type (the same one for NVIDIA and for ROCm builds)."""
+        return getattr(torch, self.device_type)
+
+    def available(self) -> bool:
+        return self.module.is_available()
+
+
+CPU = Accelerator("cpu", "gloo")
+
+
+def accelerator() -> Accelerator:
+    """The one lookup of this host's GPU device type and backend: the vendor description of the
+    torch build (ROCm builds: amd, else nvidia)."""
+    vendor = vendors.VENDORS["amd" if torch.version.hip else "nvidia"]
+    return Accelerator(vendor.TORCH_DEVICE, vendor.DIST_BACKEND)
+
+
+def use_accelerator(device: str) -> bool:
+    """train.device: the accelerator when asked for by name, or for auto when one is present."""
+    gpu = accelerator()
+    return device == gpu.device_type or (device == "auto" and gpu.available())
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timings); nothing to wait for on CPU."""
+    if device.type != CPU.device_type:
+        getattr(torch, device.type).synchronize(device)
+
+
 def world_size_from_env() -> int:
     """The world size torchrun announced (1 without torchrun); readable before any setup."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -82,16 +122,17 @@ def init(cfg: CommConfig, device: str = "auto") -> DistEnv:
     rank = int(os.environ.get("RANK", "0"))
     world_size = world_size_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        visible = torch.cuda.device_count()
+    use_gpu = use_accelerator(device)
+    gpu = accelerator() if use_gpu else CPU
+    if use_gpu:
+        visible = gpu.module.device_count()
         if local_rank >= visible:
             raise ConfigError(
                 f"local rank {local_rank} needs GPU {local_rank} but {visible} are visible; "
                 "start at most one process per GPU (torchrun --nproc-per-node) or train.device=cpu"
             )
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        gpu.module.set_device(local_rank)
+        dev = torch.device(gpu.device_type, local_rank)
         # TF32 tensor cores for fp32 matmuls (bf16 autocast covers most of the rest).
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.allow_tf32 = True
@@ -99,14 +140,14 @@ def init(cfg: CommConfig, device: str = "auto") -> DistEnv:
         dev = torch.device("cpu")
     backend = None
     if world_size > 1 or "RANK" in os.environ:
-        backend = "nccl" if use_cuda else "gloo"
-        if use_cuda:
+        backend = gpu.backend
+        if use_gpu:
             # Turn a hung or failed collective into an exception instead of a silent hang.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         dist.init_process_group(
             backend=backend,
             timeout=timedelta(seconds=cfg.timeout_s),
-            device_id=dev if use_cuda else None,
+            device_id=dev if use_gpu else None,
         )
         # Right after the rendezvous every rank is alive and here: learn the host names now, so
         # that a rank hanging later can be named; the side group gives the startup check its own
@@ -162,12 +203,10 @@ def _timed_all_reduce(nbytes: int, env: DistEnv, group: Any) -> tuple[int, float
     dist.all_reduce(tensor, group=group)
     best = float("inf")
     for _ in range(SWEEP_REPEATS):
-        if env.device.type == "cuda":
-            torch.cuda.synchronize(env.device)
+        synchronize(env.device)
         start = time.perf_counter()
         dist.all_reduce(tensor, group=group)
-        if env.device.type == "cuda":
-            torch.cuda.synchronize(env.device)
+        synchronize(env.device)
         best = min(best, time.perf_counter() - start)
     return nbytes, best
 
@@ -253,7 +292,7 @@ def wrap_model(model: nn.Module, env: DistEnv, cfg: CommConfig, find_unused: boo
         return model
     ddp = DistributedDataParallel(
         model,
-        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        device_ids=[env.device.index] if env.device.type != CPU.device_type else None,
         bucket_cap_mb=cfg.bucket_mb,
         find_unused_parameters=find_unused,
         gradient_as_bucket_view=True,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import trainer
+from trainer import sharded_checkpoint
 from trainer.checkpoint import MODEL_FILE, TRAINER_STATE_FILE, CheckpointConfig, CheckpointStore
 from trainer.errors import UserError
 from trainer.hf import is_hf_dir, load_hf, save_hf
@@ -49,8 +50,11 @@ def _read_checkpoint(checkpoint_dir: Path) -> tuple[RecurrentLM, dict[str, Any]]
     if not isinstance(config.get("model"), dict):
         raise UserError(f"{checkpoint_dir} records no model config; it cannot be exported")
     model = RecurrentLM(_model_config(config["model"], checkpoint_dir))
-    weights = torch.load(checkpoint_dir / MODEL_FILE, map_location="cpu", weights_only=True)
-    model.load_state_dict(weights)
+    if sharded_checkpoint.is_sharded(checkpoint_dir):
+        sharded_checkpoint.read_model_weights(checkpoint_dir, model)
+    else:
+        weights = torch.load(checkpoint_dir / MODEL_FILE, map_location="cpu", weights_only=True)
+        model.load_state_dict(weights)
     return model.eval(), {"config": config, "step": info.step}
 
 

@@ -205,8 +205,8 @@ class StepResult:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+    if device.type != "cpu":
+        return getattr(torch, device.type).max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

@@ -394,17 +394,23 @@ class RecurrentLM(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialise parameters and RoPE tables, e.g. after `to_empty()` from meta."""
+        for name, p in self.named_parameters():
+            self.init_parameter(name, p)
+        self.reset_rope()
+
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Initialise the full tensor of parameter `name` in place (draws from torch's RNG in
+        `named_parameters` order; sharded init in trainer/parallel.py draws the same)."""
         std = self.init_std
         out_std = std / math.sqrt(2 * self.cfg.effective_depth)
-        for name, p in self.named_parameters():
+        with torch.no_grad():
             if name.endswith(("n1.weight", "n2.weight", "n3.weight", "n4.weight", "ln_f.weight")):
-                p.fill_(1.0)
+                tensor.fill_(1.0)
             elif name.endswith("qk_bias"):
-                p.zero_()
+                tensor.zero_()
             else:
                 s = out_std if name.endswith("proj.weight") else std
-                nn.init.trunc_normal_(p, std=s, a=-3 * s, b=3 * s)
-        self.reset_rope()
+                nn.init.trunc_normal_(tensor, std=s, a=-3 * s, b=3 * s)
 
     def reset_rope(self) -> None:
         """(Re)compute the fp32 RoPE tables, once per model and device (not per forward)."""

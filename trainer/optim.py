@@ -23,8 +23,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # The fused kernel runs one launch per step on GPUs (and exists for CPU too since torch 2.4).
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -52,7 +52,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.config import Config
 from trainer.distributed import WIRE_DTYPES, CommStats, DistEnv
@@ -62,7 +62,7 @@ from trainer.model import RecurrentLM
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def check_strategy(cfg: Config, world_size: int, cuda: bool) -> None:
+def check_strategy(cfg: Config, world_size: int, gpu: bool) -> None:
     """One-line ConfigErrors for combinations that cannot work; before the process group forms."""
     p = cfg.parallel
     if p.strategy == "ddp":
@@ -74,7 +74,7 @@ def check_strategy(cfg: Config, world_size: int, cuda: bool) -> None:
             f"train.precision=fp16 is not supported with parallel.strategy={p.strategy} (ranks "
             "would disagree on which steps overflow); use train.precision=bf16, or strategy=ddp"
         )
-    if p.offload and not cuda:
+    if p.offload and not gpu:
         raise ConfigError(
             "parallel.offload=true needs GPUs (it offloads device memory to the host); "
             "set parallel.offload=false"
@@ -140,8 +140,9 @@ class ShardedCommStats(CommStats):
 def shard_model(model: RecurrentLM, cfg: Config, env: DistEnv) -> ShardedCommStats:
     """Apply `fully_shard` to every block and the root, in place; returns the byte counter.
 
-    Call after the weights are initialised (all ranks equal) and before the optimizer is built:
-    the optimizer must hold the sharded parameters.
+    Call on the model as built on the meta device, then `to_empty` and `init_sharded_weights`
+    (no rank ever holds the whole model), and before the optimizer is built: the optimizer must
+    hold the sharded parameters.
     """
     mesh = build_mesh(cfg, env)
     wire = WIRE_DTYPES[cfg.comm.compression]
@@ -168,6 +169,30 @@ def shard_model(model: RecurrentLM, cfg: Config, env: DistEnv) -> ShardedCommSta
                     lambda out: stats.count(out.numel() * out.element_size())
                 )
     return stats
+
+
+def init_sharded_weights(model: RecurrentLM) -> None:
+    """Initialise a model sharded on the meta device (`shard_model`, then `to_empty`).
+
+    Every rank draws the full tensor of each parameter in turn (same seed, same order as
+    `RecurrentLM.init_weights`, so the weights equal those of an unsharded run) and keeps only
+    its own shard: the host or device never holds more than one full parameter at a time, instead
+    of the whole model on every rank before sharding.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            model.init_parameter(name, full)
+            if isinstance(param, DTensor):
+                # Local split of the same full tensor on every rank: no communication.
+                mine = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                )
+                param.to_local().copy_(mine.to_local())
+            else:
+                param.copy_(full)
+            del full
+    model.reset_rope()
 
 
 def is_sharded(model: nn.Module) -> bool:

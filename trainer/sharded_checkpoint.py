@@ -9,7 +9,7 @@ With `checkpoint.format=sharded` a checkpoint directory holds
 
 The protocol is the one of full checkpoints (trainer/checkpoint.py): rank 0 creates the hidden
 temp directory and broadcasts its name; every rank writes its DCP shards into it and hashes the
-files it wrote; rank 0 gathers the digests, writes trainer_state.pt and the manifest, fsyncs and
+files while it writes them (no second pass over the data); rank 0 gathers the digests, writes trainer_state.pt and the manifest, fsyncs and
 renames the directory into place. A crash at any point leaves a hidden temp directory, never a
 `step-*` name on incomplete data.
 
@@ -24,20 +24,26 @@ reads only the byte ranges of its own shards, whatever world size and strategy w
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import os
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from trainer.hashed_write import HashingWriter, without_zip_crc32
 
 DCP_DIR = "dcp"
 FORMAT_KEY = "checkpoint_format"  # set to "sharded" on a state read from a sharded checkpoint
@@ -63,29 +69,55 @@ def apply_tensor_state(
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-def write_shards(tensors: dict[str, Any], tmp: Path, group: Any, async_save: bool) -> Any:
-    """Start this rank's DCP write into `tmp/dcp`; a future with async_save, else None."""
-    target = tmp / DCP_DIR
-    if async_save:
-        return dcp.async_save(tensors, checkpoint_id=str(target), process_group=group)
-    dcp.save(tensors, checkpoint_id=str(target), process_group=group)
-    return None
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, hashing every file while DCP writes it (trainer/hashed_write.py):
+    the manifest gets each shard's sha256 without reading the shard back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, str] = {}  # file name in dcp/ -> sha256 of what was written
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with (
+            super().create_stream(path, mode) as stream,
+            ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") as pool,
+            without_zip_crc32(),
+        ):
+            writer = HashingWriter(stream, pool)
+            yield writer
+        self.digests[Path(path).name] = writer.hexdigest()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        # DCP writes .metadata.tmp and renames it to .metadata.
+        super().rename(path, new_path)
+        digest = self.digests.pop(Path(path).name, None)
+        if digest is not None:
+            self.digests[Path(new_path).name] = digest
 
 
-def digests_of_rank(tmp: Path, rank: int) -> dict[str, str]:
-    """sha256 of the DCP files this rank wrote (rank 0 also owns .metadata), by manifest name."""
-    names = sorted((tmp / DCP_DIR).glob(f"__{rank}_*.distcp"))
-    if rank == 0:
-        names.append(tmp / DCP_DIR / ".metadata")
-    out = {}
-    for path in names:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(8 << 20):
-                digest.update(chunk)
-            os.fsync(f.fileno())
-        out[path.relative_to(tmp).as_posix()] = digest.hexdigest()
-    return out
+class ShardWrite:
+    """This rank's DCP write into `tmp/dcp`, in flight (async) or done (sync)."""
+
+    def __init__(self, tensors: dict[str, Any], tmp: Path, group: Any, async_save: bool) -> None:
+        self._files = _HashingFileSystem()
+        writer = FileSystemWriter(tmp / DCP_DIR)
+        writer.fs = self._files  # what DCP writes goes through the hashing streams
+        save = dcp.async_save if async_save else dcp.save
+        self._future = save(tensors, storage_writer=writer, process_group=group)
+        if not async_save:
+            self._future = None
+
+    def digests(self) -> dict[str, str]:
+        """Wait for the write; the sha256 of every file this rank wrote (rank 0 also wrote
+        .metadata), by manifest name. DCP has fsynced each file."""
+        if self._future is not None:
+            self._future.result()
+        return {f"{DCP_DIR}/{name}": digest for name, digest in self._files.digests.items()}
 
 
 def read_shards(path: Path, template: dict[str, Any]) -> dict[str, Any]:
@@ -94,3 +126,14 @@ def read_shards(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     group = None if not dist.is_initialized() else dist.group.WORLD
     dcp.load(template, checkpoint_id=str(path / DCP_DIR), process_group=group)
     return template
+
+
+def read_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """The model weights of a sharded checkpoint, whatever world size and strategy wrote them,
+    into an unsharded model in this one process (export, generate); the optimizer shards are not
+    read."""
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)
+    model.load_state_dict(state["model"])

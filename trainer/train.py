@@ -177,8 +177,7 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
     # Everything that can be wrong with the input is checked before the process group forms.
     world_size = distributed.world_size_from_env()
     accum_steps = check_world_size(cfg, world_size)
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    parallel.check_strategy(cfg, world_size, cuda)
+    parallel.check_strategy(cfg, world_size, distributed.use_accelerator(cfg.train.device))
     train_ds, val_ds = open_data(cfg)
     set_deterministic(cfg)
 
@@ -280,15 +279,18 @@ class Run:
     @classmethod
     def build(cls, cfg: Config, env: DistEnv, dataset: TokenDataset, hooks: TrainHooks) -> Run:
         # Built on the meta device and initialised in place: a 3.5 B model never materialises in
-        # host memory eight times per node.
+        # host memory eight times per node. FSDP/HSDP shard it while still on meta, so each rank
+        # allocates only its shards; the optimizer then holds the shards.
         with torch.device("meta"):
             model = RecurrentLM(cfg.model)
-        model.to_empty(device=env.device)
-        torch.manual_seed(cfg.seed)
-        model.init_weights()
-        # FSDP/HSDP shard the initialised weights in place; the optimizer then holds the shards.
         sharded = cfg.parallel.strategy != "ddp" and env.distributed
         comm = parallel.shard_model(model, cfg, env) if sharded else None
+        model.to_empty(device=env.device)
+        torch.manual_seed(cfg.seed)
+        if sharded:
+            parallel.init_sharded_weights(model)
+        else:
+            model.init_weights()
         optimizer = build_optimizer(model, cfg.optim, env.device)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
         scaler = torch.amp.GradScaler(env.device.type) if cfg.train.precision == "fp16" else None
@@ -467,8 +469,7 @@ def train_step(
     run.progress.tokens += tokens_per_step
     run.cursor.advance(tcfg.global_batch)
     run.health.record(finite)
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
+    distributed.synchronize(env.device)
     return StepResult(
         step=run.progress.step,
         loss=loss_value,

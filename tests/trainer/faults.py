@@ -6,10 +6,12 @@ environment of `faults_env(...)`, which names `from_env` as the hooks factory.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
 import os
+import resource
 import signal
 import threading
 from dataclasses import asdict, dataclass
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tests.trainer.file_opens import opened_files
 from trainer.distributed import DistEnv
 from trainer.hooks import HOOKS_ENV, TrainHooks
 from trainer.rundir import append_jsonl, checkpoint_dir_name
@@ -44,8 +47,18 @@ class Faults(TrainHooks):
     # "shards-written:4" (trainer/checkpoint.py names the phases).
     kill_rank: int = -1
     kill_phase: str = ""
+    # Before every step each rank appends to run_dir/memory-rank<r>.jsonl its resident memory
+    # just before the model was built and its peak resident memory so far (the kernel's figures).
+    memory: bool = False
+    # Each rank records every file under run_dir/checkpoints it opens read-only during setup
+    # (the resume) and writes them to run_dir/opens-rank<r>.json before its first step.
+    checkpoint_reads: bool = False
 
     def before_startup_check(self, env: DistEnv) -> None:
+        self.rss_before_model = resident_bytes()  # the model is built right after this check
+        if self.checkpoint_reads:
+            self.opens = contextlib.ExitStack()  # the run directory is known at the first step
+            self.reads = self.opens.enter_context(opened_files(Path("/")))
         if env.world_size > 1 and env.rank == self.stall_rank:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             threading.Event().wait()
@@ -56,6 +69,26 @@ class Faults(TrainHooks):
         if self.ledger:
             record = {"step": step, "positions": positions, "indices": indices}
             append_jsonl(run_dir / f"ledger-rank{rank}.jsonl", record)
+        if self.checkpoint_reads and step == self.first_step(step):
+            self.opens.close()
+            checkpoints = (run_dir / "checkpoints").resolve()
+            reads = [p for p in self.reads.read() if p.is_relative_to(checkpoints)]
+            names = [str(p.relative_to(checkpoints)) for p in reads]
+            (run_dir / f"opens-rank{rank}.json").write_text(json.dumps(names))
+        if self.memory:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+            record = {
+                "step": step,
+                "before_model": self.rss_before_model,
+                "peak": peak,
+                "now": resident_bytes(),
+            }
+            append_jsonl(run_dir / f"memory-rank{rank}.jsonl", record)
+
+    def first_step(self, step: int) -> int:
+        if not hasattr(self, "_first_step"):
+            self._first_step = step
+        return self._first_step
 
     def on_checkpoint_read(self, rank: int, path: Path) -> None:
         step_dir = checkpoint_dir_name(self.read_error_step)
@@ -75,6 +108,11 @@ class Faults(TrainHooks):
         if step in self.overflow_steps:
             return loss * 1e30
         return loss * math.nan if step in self.nan_steps else loss
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def faults_env(**faults: object) -> dict[str, str]:

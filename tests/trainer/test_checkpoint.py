@@ -273,7 +273,9 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(
     assert step_dirs(tmp_path) == ["step-00000001", "step-00000002"]  # nothing deleted
 
 
-def test_flipped_byte_is_not_seen_by_size_verification(tmp_path: Path) -> None:
+def test_flipped_byte_is_not_seen_by_size_verification(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # Why verify=full exists: a same-size corruption passes the size check.
     mgr = manager(tmp_path)
     mgr.save(1, {"model": {"w": torch.zeros(1000)}, "optimizer": {}, "progress": {"step": 1}})
@@ -282,9 +284,15 @@ def test_flipped_byte_is_not_seen_by_size_verification(tmp_path: Path) -> None:
     data[-3000] ^= 0xFF  # inside the tensor bytes
     target.write_bytes(bytes(data))
     assert manager(tmp_path, verify="size").load()["model"]["w"].abs().sum() > 0
-    # Full verification sees it; with no other checkpoint that is a data error, not step 0.
-    with pytest.raises(DataError, match=r"checkpoint\.resume=never"):
+    # Full verification sees it; with no other checkpoint that is a data error, not step 0,
+    # and the warning before it says so instead of promising a fresh start.
+    with (
+        caplog.at_level(logging.WARNING, logger=LOGGER),
+        pytest.raises(DataError, match=r"checkpoint\.resume=never"),
+    ):
         manager(tmp_path, verify="full").load()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "none left: the resume stops" in warning and "fresh start" not in warning, warning
 
 
 def test_invalid_checkpoint_at_the_step_being_saved_is_set_aside(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.trainer.training_runs import TINY, final_weights, overrides, tiny_config, torchrun
+from clusterspec.vendors import nvidia
+from tests.trainer.training_runs import REPO, TINY, final_weights, overrides, tiny_config, torchrun
 from trainer import distributed
 from trainer.config import CommConfig
 from trainer.model import RecurrentLM
@@ -90,3 +92,23 @@ def test_comm_hook_averages_and_counts_bytes(
     assert stats.take() == 0  # reset once read
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=0.01 if atol else 0, atol=atol)
+
+
+# Where the trainer may still spell a device type: the user-facing values of train.device.
+DEVICE_NAMES_ALLOWED = {"config.py": 'device: Literal["auto", "cpu", "cuda"]'}
+
+
+def test_device_type_and_backend_come_from_the_one_vendor_lookup() -> None:
+    """A new GPU vendor is one description (clusterspec/vendors) plus its roles: no trainer
+    module names a device type or backend ("cuda", "nccl") or calls torch.cuda itself; they all
+    go through trainer.distributed.accelerator()."""
+    gpu = distributed.accelerator()
+    assert (gpu.device_type, gpu.backend) == (nvidia.TORCH_DEVICE, nvidia.DIST_BACKEND)
+    pattern = re.compile(r"""["'](cuda|nccl|rccl)["']|torch\.cuda\b""")
+    found = []
+    for path in sorted((REPO / "trainer").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            allowed = DEVICE_NAMES_ALLOWED.get(path.name)
+            if pattern.search(line) and not (allowed and allowed in line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, "use trainer.distributed.accelerator() instead:\n" + "\n".join(found)

@@ -3,14 +3,31 @@ strategies without repeating or skipping a sample, and SIGKILL during an async s
 
 from __future__ import annotations
 
+import json
 import math
+import pickle
+import warnings
 from pathlib import Path
 
 import torch
 
 from tests.trainer.faults import Faults, faults_env
+from tests.trainer.file_opens import opened_files
 from tests.trainer.training_runs import TINY, overrides, tiny_config, torchrun
-from trainer.rundir import ExitCode, RunDir, read_jsonl, verify_checkpoint
+from trainer import sharded_checkpoint
+from trainer.checkpoint import CheckpointConfig, CheckpointStore
+from trainer.export import export_checkpoint, load_exported
+from trainer.generate import generate_text
+from trainer.model import PRESETS, RecurrentLM
+from trainer.rundir import (
+    MANIFEST_NAME,
+    ExitCode,
+    RunDir,
+    read_json,
+    read_jsonl,
+    sha256_file,
+    verify_checkpoint,
+)
 from trainer.train import train
 
 # 12 samples per step: 2 ranks × 3 micro-batches of 2, 3 ranks × 2, or 1 process × 6.
@@ -56,6 +73,48 @@ def positions_by_step(run_dir: Path) -> dict[int, list[int]]:
     return by_step
 
 
+def one_rank_state() -> dict:
+    """A tiny model after one AdamW step, as a single-rank sharded save holds it."""
+    torch.manual_seed(0)
+    model = RecurrentLM(PRESETS["tiny"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    model(ids, labels=ids, num_steps=2).loss.backward()
+    optimizer.step()
+    rest = {"progress": {"step": 1}, "config": {}, "version": "test"}
+    return {**sharded_checkpoint.tensor_state(model, optimizer), **rest}
+
+
+def test_sharded_save_hashes_while_writing_and_reads_nothing_back(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run").create()
+    state = one_rank_state()
+    for async_save in (False, True):
+        cfg = CheckpointConfig(format="sharded", async_save=async_save, keep_last=0)
+        store = CheckpointStore(run, cfg, 0, 1)
+        step = 2 if async_save else 1
+        with warnings.catch_warnings(), opened_files(run.checkpoints_dir) as opens:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            assert store.save(step, state)
+            store.wait()
+        assert store.failures == 0
+        path = run.checkpoint_path(step)
+        written = {p.name for p in opens.written()}
+        assert {"__0_0.distcp", ".metadata.tmp", "trainer_state.pt"} <= written, written
+        # The manifest's sha256 came from the writes: no file was opened to be read back (only
+        # manifests, which retention reads to list the checkpoints).
+        read_back = [p for p in opens.read() if p.name != MANIFEST_NAME]
+        assert read_back == [], read_back
+        manifest = read_json(path / MANIFEST_NAME)
+        assert sorted(manifest["files"]) == [
+            "dcp/.metadata",
+            "dcp/__0_0.distcp",
+            "trainer_state.pt",
+        ]
+        for name, entry in manifest["files"].items():
+            assert entry["sha256"] == sha256_file(path / name), name
+        assert verify_checkpoint(path, full=True).valid
+
+
 def test_resume_across_world_sizes_and_strategies(prepared_data: Path, tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     in_process(prepared_data, reference, "train.steps=10", *COMMON)
@@ -91,6 +150,50 @@ def test_resume_across_world_sizes_and_strategies(prepared_data: Path, tmp_path:
     assert sorted(got) == list(range(1, 11))
     for step, loss in got.items():
         assert math.isclose(loss, ref[step], rel_tol=1e-4), (step, loss, ref[step])
+
+
+def test_each_rank_reads_only_its_own_shards_at_resume(prepared_data: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    layout = ["parallel.strategy=fsdp", *SHARDED]
+    two_or_three(2, prepared_data, run, "train.steps=2", *layout)
+    args = overrides(prepared_data, run, "train.steps=3", *layout)
+    # What each rank opens, recorded by the interpreter's audit hook in the trainer processes.
+    result = torchrun(
+        2, "--config", str(TINY), *args, timeout=300, env=faults_env(checkpoint_reads=True)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed at step 2" in result.stderr
+    # DCP's own index of the checkpoint: which entry lies in which file.
+    with open(RunDir(run).checkpoint_path(2) / "dcp" / ".metadata", "rb") as f:
+        index = pickle.load(f).storage_data
+    for rank in (0, 1):
+        reads = json.loads((run / f"opens-rank{rank}.json").read_text())
+        assert all(name.startswith("step-00000002/") for name in reads), reads
+        assert "step-00000002/dcp/.metadata" in reads, reads
+        own = f"step-00000002/dcp/__{rank}_0.distcp"
+        assert own in reads, reads
+        # Values every rank holds (AdamW's step counters, param_groups) are stored once, in
+        # whichever rank's file DCP's dedup picked: a rank opens another's file only for those,
+        # small next to the shards it holds (it reads byte ranges, not whole files).
+        for other in [n for n in reads if n.endswith(".distcp") and n != own]:
+            entries = [(i, s) for i, s in index.items() if s.relative_path == Path(other).name]
+            replicated = sum(s.length for i, s in entries if not i.offset)
+            assert replicated < 0.05 * sum(s.length for _, s in entries), (other, replicated)
+
+    # Export and generation read a sharded checkpoint in one process: the 2 ranks' shards
+    # reassembled equal the weights of the same 2 steps trained by one process.
+    reference = tmp_path / "reference"
+    in_process(prepared_data, reference, "train.steps=2", *COMMON)
+    expected = torch.load(
+        RunDir(reference).checkpoint_path(2) / "model.pt", map_location="cpu", weights_only=True
+    )
+    export_checkpoint(RunDir(run).checkpoint_path(2), tmp_path / "export")
+    exported = load_exported(tmp_path / "export").state_dict()
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5)  # reduction order
+    generation = generate_text(RunDir(run).checkpoint_path(2), "The module", 2, max_new_tokens=4)
+    assert len(generation.tokens) == 4, generation
 
 
 def test_sigkill_during_async_sharded_save_keeps_the_previous_checkpoint(
