@@ -1,7 +1,7 @@
 """The trainer's own record of the communication path NCCL/RCCL chose (torch-free).
 
 Before the process group starts, `capture` points NCCL's debug log at the run directory
-(NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET, NCCL_DEBUG_FILE=<run_dir>/nccl/<host>.<pid>.log)
+(NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET, NCCL_DEBUG_FILE=<run_dir>/comm-logs/<host>.<pid>.log)
 unless the environment already chooses NCCL_DEBUG; after the first collectives `describe`
 parses this rank's file with clusterspec.transport: the line the trainer logs at start-up
 ("comm path: NET/IB/GDRDMA x16; P2P/CUMEM x24; IB NICs mlx5_0:1/IB") and the event it records.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from clusterspec import transport
 
-LOG_DIR = "nccl"
+LOG_DIR = "comm-logs"  # NCCL/RCCL INFO logs, one file per process
 
 
 def capture(run_dir: str | Path) -> Path | None:
