@@ -138,7 +138,7 @@ def test_trainer_records_its_own_comm_path(tmp_path: Path, monkeypatch) -> None:
         monkeypatch.delenv(name, raising=False)
     log_file = comm_path.capture(tmp_path)
     assert os.environ["NCCL_DEBUG"] == "INFO" and os.environ["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
-    assert os.environ["NCCL_DEBUG_FILE"] == str(tmp_path / "nccl" / "%h.%p.log")
+    assert os.environ["NCCL_DEBUG_FILE"] == str(tmp_path / comm_path.LOG_DIR / "%h.%p.log")
     assert comm_path.describe(log_file) is None  # nothing logged yet (or gloo)
     log_file.write_text(log("ib-gdrdma.log"))  # what NCCL writes there (%h.%p expanded)
     assert comm_path.describe(log_file)["summary"] == "NET/IB/GDRDMA x12"
