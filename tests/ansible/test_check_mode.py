@@ -145,7 +145,7 @@ def test_a_driver_not_loaded_skips_its_users_with_one_line(planned: PlaybookRun)
     # rlm_allow_reboot is false: the reboot handler is notified but does not reboot.
     assert not planned.ran("amd_driver_new", "Reboot to load the new amdgpu driver")
     # Nothing calls the vendor tools before the driver is loaded (they would fail).
-    for task in ("List GPU agents with rocminfo", "Read power limits with amd-smi"):
+    for task in ("List GPU agents with rocminfo", "Read power limits with the vendor tool"):
         assert not planned.ran("amd_driver_new", task), task
     assert planned.stats("amd_driver_new")["failures"] == 0
     assert not planned.task("amd_driver_current", "Install the amdgpu kernel driver").changed
