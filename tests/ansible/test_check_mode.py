@@ -275,3 +275,30 @@ def test_the_boot_time_power_unit_of_a_site_copied_from_the_example_runs_as_root
     after = "".join(d.get("after", "") for d in (unit if isinstance(unit, list) else [unit]))
     assert "ExecStart=/usr/local/sbin/rlm-gpu-power" in after
     assert "User=root" in after, after
+
+
+def test_hosts_without_a_gpu_plan_the_gpu_and_comm_plays_without_vendor_facts(
+    tmp_path: Path,
+) -> None:
+    """rlm_gpu_vendor: none has no vendor description: the roles that read one must not ask."""
+    host = {
+        **UBUNTU,
+        "ansible_connection": "local",
+        "ansible_host": "127.0.0.1",
+        "ansible_python_interpreter": sys.executable,
+        "rlm_gpu_vendor": "none",
+        "rlm_shared_fs": "none",
+    }
+    inventory = {
+        "all": {"children": {"mgmt": {"hosts": {"m1": host}}, "compute": {"hosts": {"c1": host}}}}
+    }
+    run = run_playbook(
+        "provision.yml",
+        write_inventory(tmp_path / "hosts.yml", inventory),
+        tmp_path,
+        check=True,
+        tags="gpu,comm,monitoring",
+        env={"PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}"},
+    )
+    assert run.rc == 0 and run.failures("c1") == [], run.failures("c1")
+    assert run.ran("c1", "Skip hosts without a GPU")
