@@ -452,8 +452,7 @@ def plan(
     if json_output:
         render.emit_json(estimate)
     else:
-        for text in planning.describe(estimate):
-            render.line(text)
+        render.plan(estimate)
 
 
 @app.command()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlmctl.records import LayoutChoice
+
 LAYOUTS = ("ddp", "hsdp", "fsdp", "offload")
 
 
@@ -44,23 +46,10 @@ def per_gpu(
 
 def choose(
     model: dict[str, Any], activations: int, gpus: int, gpus_per_node: int, usable: float
-) -> dict[str, Any]:
-    """{"per_gpu_gib": {layout: GiB}, "pick": the cheapest layout that fits, or None}."""
+) -> LayoutChoice:
+    """GiB per GPU of every layout and the cheapest layout that fits, or None."""
     sizes = per_gpu(model, activations, gpus, gpus_per_node)
     # On one node hsdp is fsdp with one replica: call it fsdp.
     candidates = [n for n in LAYOUTS if n != "hsdp" or gpus > gpus_per_node]
     pick = next((name for name in candidates if sizes[name] <= usable), None)
-    return {"per_gpu_gib": {k: v / 2**30 for k, v in sizes.items()}, "pick": pick}
-
-
-def describe(choice: dict[str, Any], gpus: int, gpus_per_node: int) -> str:
-    sizes = ", ".join(f"{k} {v:.1f}" for k, v in choice["per_gpu_gib"].items())
-    pick = choice["pick"]
-    verdict = (
-        f"pick parallel.strategy={pick}"
-        if pick in ("ddp", "fsdp", "hsdp")
-        else "pick parallel.strategy=fsdp parallel.offload=true"
-        if pick
-        else "none fits: more GPUs, a shorter sequence or activation checkpointing"
-    )
-    return f"  on {gpus} GPUs ({gpus_per_node}/node), GiB/GPU: {sizes}; {verdict}"
+    return LayoutChoice({k: v / 2**30 for k, v in sizes.items()}, pick)

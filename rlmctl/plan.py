@@ -17,6 +17,7 @@ from typing import Any
 
 from rlmctl import layouts
 from rlmctl.errors import RlmctlError
+from rlmctl.records import MemoryEstimate, Plan
 
 BYTES_STATIC_PER_PARAM = 16  # fp32 weights + fp32 grads + AdamW m and v
 BF16 = 2
@@ -89,7 +90,7 @@ def estimate(
     micro_batch: int,
     gpus: int = 8,
     gpus_per_node: int = 8,
-) -> dict[str, Any]:
+) -> Plan:
     if not math.isfinite(gpu_mem_gib):
         raise RlmctlError(f"--gpu-mem {gpu_mem_gib} is not a memory size; give GiB, e.g. 80")
     if gpus < 1 or gpus_per_node < 1:
@@ -115,57 +116,26 @@ def estimate(
             free = usable - static / min_gpus
             micro = max(0, int(free // act_one)) if act_one else None
         rows.append(
-            {
-                "activation_checkpointing": checkpointing,
-                "activations_gib": act / 2**30,
-                "unsharded_per_gpu_gib": (static + act) / 2**30,
-                "unsharded_fits": unsharded_fits,
-                "min_gpus_sharded": min_gpus,
-                "max_micro_batch_at_min_gpus": micro,
-                "layouts": layouts.choose(model, act, gpus, gpus_per_node, usable),
-            }
+            MemoryEstimate(
+                activation_checkpointing=checkpointing,
+                activations_gib=act / 2**30,
+                unsharded_per_gpu_gib=(static + act) / 2**30,
+                unsharded_fits=unsharded_fits,
+                min_gpus_sharded=min_gpus,
+                max_micro_batch_at_min_gpus=micro,
+                layouts=layouts.choose(model, act, gpus, gpus_per_node, usable),
+            )
         )
-    return {
-        "model": model["name"],
-        "params": model["params"],
-        "seq_len": model["seq_len"],
-        "micro_batch": micro_batch,
-        "gpu_mem_gib": gpu_mem_gib,
-        "usable_gib": usable / 2**30,
-        "static_gib": static / 2**30,
-        "rule_of_thumb_gpus": math.ceil(model["params"] * 4 / (gpu_mem_gib * 2**30)),
-        "gpus": gpus,
-        "gpus_per_node": gpus_per_node,
-        "estimates": rows,
-    }
-
-
-def describe(plan: dict[str, Any]) -> list[str]:
-    lines = [
-        f"model {plan['model']}: {plan['params'] / 1e9:.3f} B parameters, seq {plan['seq_len']}, "
-        f"micro-batch {plan['micro_batch']}, {plan['gpu_mem_gib']:g} GiB/GPU "
-        f"({plan['usable_gib']:.1f} usable)",
-        f"weights+grads+AdamW (16 B/param): {plan['static_gib']:.1f} GiB in total",
-        f"rule of thumb params×4 B / GPU memory: {plan['rule_of_thumb_gpus']} GPU(s) "
-        "(fp32 weights only: far too optimistic)",
-    ]
-    for row in plan["estimates"]:
-        label = (
-            "with activation checkpointing"
-            if row["activation_checkpointing"]
-            else "no checkpointing"
-        )
-        fits = "fits" if row["unsharded_fits"] else "does NOT fit"
-        gpus = row["min_gpus_sharded"]
-        sharded = (
-            f"sharded (FSDP) needs ≥ {gpus} GPU(s), micro-batch up to "
-            f"{row['max_micro_batch_at_min_gpus']} there"
-            if gpus
-            else "sharding cannot help: activations alone exceed a GPU (lower seq len/micro-batch)"
-        )
-        lines.append(
-            f"{label}: activations {row['activations_gib']:.1f} GiB/GPU; unsharded (DDP) "
-            f"{row['unsharded_per_gpu_gib']:.1f} GiB/GPU {fits}; {sharded}"
-        )
-        lines.append(layouts.describe(row["layouts"], plan["gpus"], plan["gpus_per_node"]))
-    return lines
+    return Plan(
+        model=model["name"],
+        params=model["params"],
+        seq_len=model["seq_len"],
+        micro_batch=micro_batch,
+        gpu_mem_gib=gpu_mem_gib,
+        usable_gib=usable / 2**30,
+        static_gib=static / 2**30,
+        rule_of_thumb_gpus=math.ceil(model["params"] * 4 / (gpu_mem_gib * 2**30)),
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        estimates=rows,
+    )

@@ -109,3 +109,41 @@ class Launched:
     rdzv_endpoint: str
     kind: str = "launch"
     job_id: str | None = None  # rlm_scheduler slurm
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """GiB per GPU of each parallel layout and the cheapest that fits (None: none does)."""
+
+    per_gpu_gib: dict[str, float]
+    pick: str | None
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Memory per GPU without or with activation checkpointing."""
+
+    activation_checkpointing: bool
+    activations_gib: float
+    unsharded_per_gpu_gib: float
+    unsharded_fits: bool
+    min_gpus_sharded: int | None
+    max_micro_batch_at_min_gpus: int | None
+    layouts: LayoutChoice
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`rlmctl plan`: the model, the GPU memory it needs and the layout to run it with."""
+
+    model: str
+    params: int
+    seq_len: int
+    micro_batch: int
+    gpu_mem_gib: float
+    usable_gib: float
+    static_gib: float
+    rule_of_thumb_gpus: int
+    gpus: int
+    gpus_per_node: int
+    estimates: list[MemoryEstimate]

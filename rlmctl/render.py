@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rlmctl.records import RunStatus, RunSummary, StopResult, as_dict
+from rlmctl.records import LayoutChoice, Plan, RunStatus, RunSummary, StopResult, as_dict
 
 STATE_STYLE = {"OK": "green", "WARN": "yellow", "CRIT": "bold red", "UNKNOWN": "magenta"}
 
@@ -189,3 +189,49 @@ def stopped(result: StopResult) -> None:
             line(f"{host.host}: stopped ({host.found} process(es), {host.killed} needed SIGKILL)")
         else:
             line(f"{host.host}: FAILED: {host.error}")
+
+
+def layout_choice(choice: LayoutChoice, gpus: int, gpus_per_node: int) -> str:
+    sizes = ", ".join(f"{k} {v:.1f}" for k, v in choice.per_gpu_gib.items())
+    verdict = (
+        f"pick parallel.strategy={choice.pick}"
+        if choice.pick in ("ddp", "fsdp", "hsdp")
+        else "pick parallel.strategy=fsdp parallel.offload=true"
+        if choice.pick
+        else "none fits: more GPUs, a shorter sequence or activation checkpointing"
+    )
+    return f"  on {gpus} GPUs ({gpus_per_node}/node), GiB/GPU: {sizes}; {verdict}"
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    lines = [
+        f"model {plan.model}: {plan.params / 1e9:.3f} B parameters, seq {plan.seq_len}, "
+        f"micro-batch {plan.micro_batch}, {plan.gpu_mem_gib:g} GiB/GPU "
+        f"({plan.usable_gib:.1f} usable)",
+        f"weights+grads+AdamW (16 B/param): {plan.static_gib:.1f} GiB in total",
+        f"rule of thumb params×4 B / GPU memory: {plan.rule_of_thumb_gpus} GPU(s) "
+        "(fp32 weights only: far too optimistic)",
+    ]
+    for row in plan.estimates:
+        label = (
+            "with activation checkpointing" if row.activation_checkpointing else "no checkpointing"
+        )
+        fits = "fits" if row.unsharded_fits else "does NOT fit"
+        gpus = row.min_gpus_sharded
+        sharded = (
+            f"sharded (FSDP) needs ≥ {gpus} GPU(s), micro-batch up to "
+            f"{row.max_micro_batch_at_min_gpus} there"
+            if gpus
+            else "sharding cannot help: activations alone exceed a GPU (lower seq len/micro-batch)"
+        )
+        lines.append(
+            f"{label}: activations {row.activations_gib:.1f} GiB/GPU; unsharded (DDP) "
+            f"{row.unsharded_per_gpu_gib:.1f} GiB/GPU {fits}; {sharded}"
+        )
+        lines.append(layout_choice(row.layouts, plan.gpus, plan.gpus_per_node))
+    return lines
+
+
+def plan(record: Plan) -> None:
+    for text in plan_lines(record):
+        line(text)

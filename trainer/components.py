@@ -20,6 +20,7 @@ each on load, so the on-disk format (docs/checkpoints.md) is written in one plac
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -178,12 +179,30 @@ class TrainState:
                 if state["optimizer"]:  # empty in an imported checkpoint: start the optimizer fresh
                     self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0]
             raise ConfigError(
-                f"the checkpoint does not fit this model/optimizer config ({first}); "
+                f"the checkpoint does not fit this model/optimizer config ({misfit(exc)}); "
                 "use the config it was trained with, or checkpoint.resume=never"
             ) from None
         if state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+_SIZE_MISMATCH = re.compile(
+    r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+    r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)"
+)
+
+
+def misfit(exc: BaseException) -> str:
+    """The first tensor that does not fit, with both shapes (else the first line that says what
+    is missing or unexpected): torch's own message starts with a line naming no tensor."""
+    text = str(exc)
+    match = _SIZE_MISMATCH.search(text)
+    if match:
+        name, saved, wanted = match.groups()
+        return f"tensor {name} is {saved} in the checkpoint, {wanted} in this model"
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    keyed = [line for line in lines if "key" in line.lower()]
+    return (keyed or lines or [type(exc).__name__])[0][:200]

@@ -175,3 +175,58 @@ def xid_events(kernel_log: str) -> dict:
 
 def judge_xids(codes: list) -> tuple:
     return "OK", "no kernel-log rules for AMD (RAS errors are judged from ECC counts)"
+
+
+# --- Read by the Ansible roles (plugins/lookup/rlm_vendor.py, plugins/filter/rlm_vendor.py) ---
+PCI_VENDOR_ID = "1002"  # lspci -n (gpu_detect)
+KERNEL_MODULE = "amdgpu"  # /sys/module/<name> exists while the driver is loaded
+# Device nodes of the loaded driver: a control node and one node per GPU (a glob in `dir`).
+DEVICE_FILES = {"control": "/dev/kfd", "dir": "/dev/dri", "per_gpu": "renderD*"}
+TOOLKIT_HOME = "/opt/rocm"
+# rccl-tests at a pinned tag; built with `make` and these arguments ({toolkit}: TOOLKIT_HOME).
+BANDWIDTH_TEST_SOURCE = ("https://github.com/ROCm/rccl-tests.git", "rocm-6.2.4")
+BANDWIDTH_TEST_MAKE_ARGS = ("HIP_HOME={toolkit}", "NCCL_HOME={toolkit}")
+# The exporter of EXPORTER_JOB (gpu_exporter): its packages and services.
+EXPORTER_PACKAGES = ("amdgpu-exporter",)
+EXPORTER_SERVICES = ("amd-metrics-exporter",)
+TORCH_INDEX_URL = "https://download.pytorch.org/whl/rocm6.2"
+# Power caps (gpu_power): the query parse_power_limits reads and, per GPU ({gpu}, {watts}), the
+# command setting the cap (no persistence mode); the boot unit runs after POWER_AFTER.
+POWER_QUERY = ("amd-smi", "static", "--limit", "--json")
+POWER_PERSISTENCE = None
+POWER_SET = ("amd-smi", "set", "-g", "{gpu}", "--power-cap", "{watts}")
+POWER_AFTER = "multi-user.target"
+
+
+def _watts(node: Any) -> float | None:
+    # {"value": 300, "unit": "W"} (6.3+) or "300 W" / "300.0 W" (older releases)
+    if isinstance(node, dict):
+        node = node.get("value")
+    if isinstance(node, str):
+        match = re.search(r"[0-9.]+", node)
+        node = match.group(0) if match else None
+    return number(node)
+
+
+def parse_power_limits(text: str) -> list[dict]:
+    """Each GPU's {index, min, max, current, default} cap in W from `amd-smi static --limit --json`
+    (a list, ROCm 6.1/6.2, or {"gpu_data": [...]}, 6.3+). Instinct parts ship capped at their
+    maximum: that is the default to revert to."""
+    data = json.loads(text)
+    gpus = []
+    for entry in data.get("gpu_data", []) if isinstance(data, dict) else data:
+        limit = entry.get("limit", {})
+        low, high, current = (
+            _watts(limit.get(key)) for key in ("min_power", "max_power", "socket_power")
+        )
+        gpus.append(
+            {
+                "index": int(entry["gpu"]),
+                "min": low,
+                "max": high,
+                "current": current,
+                "default": high,
+                "persistence": "N/A",
+            }
+        )
+    return gpus

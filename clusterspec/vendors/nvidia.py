@@ -187,3 +187,43 @@ def judge_xids(codes: list[int]) -> tuple[str, str]:
     if warning:
         return "WARN", "XIDs in kernel log: " + str(warning)
     return "OK", "no XID errors in kernel log"
+
+
+# --- Read by the Ansible roles (plugins/lookup/rlm_vendor.py, plugins/filter/rlm_vendor.py) ---
+PCI_VENDOR_ID = "10de"  # lspci -n (gpu_detect)
+KERNEL_MODULE = "nvidia"  # /sys/module/<name> exists while the driver is loaded
+# Device nodes of the loaded driver: a control node and one node per GPU (a glob in `dir`).
+DEVICE_FILES = {"control": "/dev/nvidiactl", "dir": "/dev", "per_gpu": "nvidia[0-9]*"}
+TOOLKIT_HOME = "/usr/local/cuda"
+# nccl-tests at a pinned tag; built with `make` and these arguments ({toolkit}: TOOLKIT_HOME).
+BANDWIDTH_TEST_SOURCE = ("https://github.com/NVIDIA/nccl-tests.git", "v2.13.11")
+BANDWIDTH_TEST_MAKE_ARGS = ("CUDA_HOME={toolkit}", "NCCL_HOME=/usr")
+# The exporter of EXPORTER_JOB (gpu_exporter): its packages and services.
+EXPORTER_PACKAGES = ("datacenter-gpu-manager", "dcgm-exporter")
+EXPORTER_SERVICES = ("nvidia-dcgm", "dcgm-exporter")
+TORCH_INDEX_URL = "https://download.pytorch.org/whl/cu124"
+# Power caps (gpu_power): the query parse_power_limits reads, then per GPU ({gpu}, {watts}) the
+# command enabling persistence mode and the one setting the cap; the boot unit runs after
+# POWER_AFTER (caps set before the persistence daemon starts are lost).
+POWER_QUERY = (
+    "nvidia-smi",
+    "--query-gpu=index,power.min_limit,power.max_limit,power.limit,power.default_limit,"
+    "persistence_mode",
+    "--format=csv,noheader,nounits",
+)
+POWER_PERSISTENCE = ("nvidia-smi", "-i", "{gpu}", "-pm", "1")
+POWER_SET = ("nvidia-smi", "-i", "{gpu}", "-pl", "{watts}")
+POWER_AFTER = "nvidia-persistenced.service"
+
+
+def parse_power_limits(text: str) -> list[dict]:
+    """Each GPU's {index, min, max, current, default} cap in W and persistence from POWER_QUERY."""
+    gpus = []
+    for row in csv.reader(line for line in text.splitlines() if line.strip()):
+        cells = [cell.strip() for cell in row]
+        if len(cells) != 6 or not cells[0].isdigit():
+            raise ValueError("unreadable nvidia-smi power line: " + ",".join(cells)[:120])
+        watts = [number(cell) for cell in cells[1:5]]
+        row = dict(zip(("min", "max", "current", "default"), watts))
+        gpus.append(dict(row, index=int(cells[0]), persistence=cells[5]))
+    return gpus

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.ansible.playbook_run import FAKE_VENDOR_BIN, PlaybookRun, run_playbook, write_inventory
+from tests.ansible.playbook_run import (
+    FAKE_VENDOR_BIN,
+    REPO,
+    PlaybookRun,
+    run_playbook,
+    write_inventory,
+)
 
 KEY = str(Path(__file__).parent / "fixtures" / "repo-signing-key.asc")
 UBUNTU = {
@@ -145,7 +152,7 @@ def test_a_driver_not_loaded_skips_its_users_with_one_line(planned: PlaybookRun)
     # rlm_allow_reboot is false: the reboot handler is notified but does not reboot.
     assert not planned.ran("amd_driver_new", "Reboot to load the new amdgpu driver")
     # Nothing calls the vendor tools before the driver is loaded (they would fail).
-    for task in ("List GPU agents with rocminfo", "Read power limits with amd-smi"):
+    for task in ("List GPU agents with rocminfo", "Read power limits with the vendor tool"):
         assert not planned.ran("amd_driver_new", task), task
     assert planned.stats("amd_driver_new")["failures"] == 0
     assert not planned.task("amd_driver_current", "Install the amdgpu kernel driver").changed
@@ -230,3 +237,68 @@ def test_no_unexpected_failures(planned: PlaybookRun) -> None:
             host,
             planned.failures(host),
         )
+
+
+def test_the_boot_time_power_unit_of_a_site_copied_from_the_example_runs_as_root(
+    tmp_path: Path,
+) -> None:
+    """The example sets rlm_service_user: rlm (the site's service account); the unit that sets
+    power caps at boot must still run as root (only root can set caps)."""
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "inventory" / "example", site)
+    host = {
+        **UBUNTU,
+        **LOADED,
+        "ansible_connection": "local",
+        "ansible_host": "127.0.0.1",
+        "ansible_python_interpreter": sys.executable,
+        "rlm_init_system": "systemd",
+        # what a site replaces first: the placeholder key (preflight refuses it)
+        "rlm_operator_keys": [
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAISiteKeySiteKeySiteKey ops@site"
+        ],
+    }
+    compute = {"children": {"compute_nvidia": {"hosts": {"nv01": host}}}}
+    mgmt = {"hosts": {"mgmt01": {**host, "rlm_gpu_vendor": "none"}}}
+    hosts = {"all": {"children": {"mgmt": mgmt, "compute": compute}}}
+    write_inventory(site / "hosts.yml", hosts)
+    run = run_playbook(
+        "provision.yml",
+        site / "hosts.yml",
+        tmp_path,
+        check=True,
+        tags="gpu_power",
+        env={"PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}"},
+    )
+    assert run.failures("nv01") + run.failures("mgmt01") == []
+    unit = run.task("nv01", "Install the systemd unit").result["diff"]
+    after = "".join(d.get("after", "") for d in (unit if isinstance(unit, list) else [unit]))
+    assert "ExecStart=/usr/local/sbin/rlm-gpu-power" in after
+    assert "User=root" in after, after
+
+
+def test_hosts_without_a_gpu_plan_the_gpu_and_comm_plays_without_vendor_facts(
+    tmp_path: Path,
+) -> None:
+    """rlm_gpu_vendor: none has no vendor description: the roles that read one must not ask."""
+    host = {
+        **UBUNTU,
+        "ansible_connection": "local",
+        "ansible_host": "127.0.0.1",
+        "ansible_python_interpreter": sys.executable,
+        "rlm_gpu_vendor": "none",
+        "rlm_shared_fs": "none",
+    }
+    inventory = {
+        "all": {"children": {"mgmt": {"hosts": {"m1": host}}, "compute": {"hosts": {"c1": host}}}}
+    }
+    run = run_playbook(
+        "provision.yml",
+        write_inventory(tmp_path / "hosts.yml", inventory),
+        tmp_path,
+        check=True,
+        tags="gpu,comm,monitoring",
+        env={"PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}"},
+    )
+    assert run.rc == 0 and run.failures("c1") == [], run.failures("c1")
+    assert run.ran("c1", "Skip hosts without a GPU")

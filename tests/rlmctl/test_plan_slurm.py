@@ -29,16 +29,16 @@ def test_param_count_matches_the_real_model() -> None:
 def test_estimates_behave() -> None:
     small = plan.estimate("huginn-3.5b", None, 40, None, 1)
     large = plan.estimate("huginn-3.5b", None, 141, None, 1)
-    assert small["static_gib"] == large["static_gib"]
-    assert abs(small["static_gib"] - small["params"] * 16 / 2**30) < 1e-6
-    plain, checkpointed = small["estimates"]
-    assert checkpointed["activations_gib"] < plain["activations_gib"] / 4
-    assert large["estimates"][1]["min_gpus_sharded"] <= small["estimates"][1]["min_gpus_sharded"]
-    assert large["estimates"][1]["unsharded_fits"] and not small["estimates"][1]["unsharded_fits"]
+    assert small.static_gib == large.static_gib
+    assert abs(small.static_gib - small.params * 16 / 2**30) < 1e-6
+    plain, checkpointed = small.estimates
+    assert checkpointed.activations_gib < plain.activations_gib / 4
+    assert large.estimates[1].min_gpus_sharded <= small.estimates[1].min_gpus_sharded
+    assert large.estimates[1].unsharded_fits and not small.estimates[1].unsharded_fits
     # the rule of thumb only counts fp32 weights: it always promises fewer GPUs
-    assert small["rule_of_thumb_gpus"] <= small["estimates"][1]["min_gpus_sharded"]
+    assert small.rule_of_thumb_gpus <= small.estimates[1].min_gpus_sharded
     bigger_batch = plan.estimate("huginn-3.5b", None, 40, None, 4)
-    assert bigger_batch["estimates"][0]["activations_gib"] > 3.9 * plain["activations_gib"] - 2
+    assert bigger_batch.estimates[0].activations_gib > 3.9 * plain.activations_gib - 2
 
 
 def test_plan_cli() -> None:
