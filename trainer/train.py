@@ -177,11 +177,12 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
     # Everything that can be wrong with the input is checked before the process group forms.
     world_size = distributed.world_size_from_env()
     accum_steps = check_world_size(cfg, world_size)
-    parallel.check_strategy(cfg, world_size, distributed.use_accelerator(cfg.train.device))
+    on_accelerator = distributed.use_accelerator(cfg.train.device)
+    parallel.check_strategy(cfg, world_size, on_accelerator)
     train_ds, val_ds = open_data(cfg)
     set_deterministic(cfg)
 
-    nccl_log = comm_path.capture(cfg.run_dir) if cuda else None
+    comm_log = comm_path.capture(cfg.run_dir) if on_accelerator else None
     env = distributed.init(cfg.comm, cfg.train.device)
     setup_logging(env.rank)
     run_dir = RunDir(cfg.run_dir)
@@ -201,7 +202,7 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
         summary = distributed.startup_check(env, cfg.comm)
         if summary:
             log.info("%s", summary)
-        path = comm_path.describe(nccl_log)
+        path = comm_path.describe(comm_log)
         if path and env.is_main:
             log.info("comm path: %s", path["summary"])
             run_dir.append_event(
