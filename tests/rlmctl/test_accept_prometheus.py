@@ -1,21 +1,33 @@
-"""`rlmctl accept` against a real Prometheus (the Debian package, on loopback) scraping a real HTTP
-target that serves the exporter's metric names; ~45 s on 2 cores."""
+"""`rlmctl accept` against real Prometheus servers (the Debian package, on loopback): one scraping a
+real HTTP target that serves the exporter's metric names with values chosen per criterion, one
+scraping the real rlm-exporter running inside the session rig's hosts (GPU readings from the
+stand-in nvidia-smi of tests/monitoring/test_e2e_rig.py, each host's own eth0). Both start together
+so their waits for data overlap; ~50 s on 2 cores."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import os
 import random
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from monitoring.exporter import DEFAULT_PORT
 from rlmctl import accept
+from tests.monitoring.conftest import FIXTURES
+from tests.monitoring.test_e2e_rig import exporter_command, fake_nvidia_smi, start_in_node
+from tests.rig import Rig
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 pytestmark = pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="prometheus not installed")
@@ -45,12 +57,12 @@ class Target(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _start_prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Popen, str]:
+def _start_prometheus(tmp_path: Path, targets: list[str]) -> tuple[subprocess.Popen, str]:
     config = tmp_path / "prometheus.yml"
     config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
-        f"  - job_name: rlm\n    static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]\n"
+        f"  - job_name: rlm\n    static_configs: [{{targets: {targets}}}]\n"
     )
     for _ in range(5):  # a random port; another test may hold it: retry on collision
         port = random.randint(20000, 60000)
@@ -80,17 +92,76 @@ def _start_prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Pope
     raise RuntimeError("no free port for prometheus")
 
 
+@dataclass
+class RigExporters:
+    rig: Rig
+    state: Path  # pid files and logs, on the shared directory
+
+    def stop(self) -> None:
+        for pid_file in self.state.glob("*.pid"):
+            with contextlib.suppress(ValueError, ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+
+def _start_rig_exporters(rig: Rig) -> RigExporters:
+    """rlm-exporter in every rig host (stand-in nvidia-smi answering from the 8-GPU fixture) and
+    a stand-in trainer worker on node1 (an idle python whose command line is the trainer's, so
+    the exporter reports its constant resident size)."""
+    base = rig.shared_dir / f"accept-{time.time_ns()}"
+    state = base / "e2e"
+    (base / "runs").mkdir(parents=True)
+    state.mkdir()
+    for host in rig.hosts:
+        fake_nvidia_smi(state / f"bin-{host.name}", hot_gpu=None)
+        start_in_node(rig, host.name, "rlm-exporter", exporter_command(base, host.name), state)
+    idle = "import signal; signal.pause()"
+    start_in_node(rig, "node1", "trainer", f"{sys.executable} -c '{idle}' -m trainer train", state)
+    return RigExporters(rig, state)
+
+
+@dataclass
+class Servers:
+    loopback: str  # Prometheus scraping the in-test Target
+    rig: str | None  # Prometheus scraping the rig hosts' exporters; None without a rig
+    rig_skip: str = ""
+
+
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Servers]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Target)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    proc, url = _start_prometheus(tmp_path_factory.mktemp("prom"), server.server_address[1])
+    procs: list[subprocess.Popen] = []
+    exporters = None
     try:
-        yield url
+        proc, loopback = _start_prometheus(
+            tmp_path_factory.mktemp("prom"), [f"127.0.0.1:{server.server_address[1]}"]
+        )
+        procs.append(proc)
+        rig_url, rig_skip = None, ""
+        try:
+            rig: Rig = request.getfixturevalue("rig")
+        except pytest.skip.Exception as skipped:
+            rig_skip = str(skipped)
+        else:
+            exporters = _start_rig_exporters(rig)
+            targets = [f"{host.ip}:{DEFAULT_PORT}" for host in rig.hosts]
+            proc, rig_url = _start_prometheus(tmp_path_factory.mktemp("rig-prom"), targets)
+            procs.append(proc)
+        yield Servers(loopback, rig_url, rig_skip)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if exporters is not None:
+            exporters.stop()
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
         server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prometheus(servers: Servers) -> str:
+    return servers.loopback
 
 
 def _wait_for_data(url: str) -> None:
@@ -141,3 +212,33 @@ def test_report_plots_utilisation_and_network_from_prometheus(prometheus: str) -
     assert set(drawn) == {"gpu-utilisation.svg", "network-share.svg"}
     assert all(svg.startswith("<svg") and "polyline" in svg for svg in drawn.values())
     assert accept.prometheus_plots(None, 0, 1) == {}
+
+
+def test_accept_reads_the_exporters_on_the_rig_hosts(servers: Servers) -> None:
+    """The real exporter inside each rig host, scraped over the rig's bridge: GPU utilisation is
+    the fixture's mean, the network share is each host's eth0 (a 10 Gb/s veth) and every target
+    is fresh; stricter thresholds fail the same data."""
+    if servers.rig is None:
+        pytest.skip(servers.rig_skip)
+    _wait_for_data(servers.rig)
+    rows = (FIXTURES / "nvidia-smi-8gpu.csv").read_text().splitlines()
+    mean_util = sum(float(row.split(", ")[2]) for row in rows) / len(rows)
+    by_name = {c.name: c for c in accept.prometheus_criteria(
+        servers.rig, "r", 60, accept.thresholds(None), cpu=False
+    )}  # fmt: skip
+    assert by_name["GPU utilisation"].verdict == accept.PASS
+    assert by_name["GPU utilisation"].measured == f"{mean_util:.1f}%"
+    assert by_name["network share of link"].verdict == accept.PASS
+    assert by_name["scrape freshness"].verdict == accept.PASS, by_name["scrape freshness"]
+    # Rig hosts share the machine's PID space: every trainer on the machine is counted, so only
+    # that the slope was measured is certain here (its thresholds are tested above).
+    assert by_name["host memory slope"].verdict in (accept.PASS, accept.FAIL)
+    strict = accept.thresholds(
+        {"gpu_util_min_pct": 100, "network_max_pct": 0.0, "scrape_max_age_s": 0}
+    )
+    failing = {c.name: c.verdict for c in accept.prometheus_criteria(
+        servers.rig, "r", 60, strict, cpu=False
+    )}  # fmt: skip
+    assert failing["GPU utilisation"] == accept.FAIL
+    assert failing["network share of link"] == accept.FAIL
+    assert failing["scrape freshness"] == accept.FAIL
