@@ -3,8 +3,15 @@
 Stdlib only, Python 3.8 (shipped to the hosts with the rest of clusterspec.vendors). Referenced
 from the vendor description as amd.TOPOLOGY. rocm-smi reports no NICs, so only the GPU links
 are judged. Its "Hops" matrix is 1 for every xGMI-connected pair even when the path is not a
-direct link (ROCm/rocm-systems#5763), so the link *type* is what is compared; on MI250X every GCD
-pair of a node is XGMI (the number of xGMI links between GCDs differs, which the weights show).
+direct link (ROCm/rocm-systems#5763, open-mpi/hwloc#775), so the link type and the "Weight"
+matrix are read: 15 for a direct xGMI link, 30/45 through one/two other GCDs. rocm-smi does not
+print how many xGMI lanes a direct pair has (MI250X's in-package GCD pair has 4 links, pairs
+across packages 1 or 2; both weigh 15), so a GCD's direct peers are what is counted.
+
+Expected layout per SKU: MI250X (HPE Cray EX235a, Frontier/LUMI: 4 OAMs, 8 GCDs) has every
+pair XGMI and each GCD directly linked to 3 others, as in the recorded weights
+(tests/rlmctl/fixtures/topology/rocm-smi-showtopo-mi250x-8gcd.txt): XGMI3. MI300X/MI325X (8
+fully connected GPUs) are judged on the link type only.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from clusterspec.vendors.topology import Topology
 
 COMMAND = ("rocm-smi", "--showtopo")
 
-GPU_LINKS = {"MI250X": "XGMI", "MI300X": "XGMI", "MI325X": "XGMI"}
+GPU_LINKS = {"MI250X": "XGMI3", "MI300X": "XGMI", "MI325X": "XGMI"}
 
 
 def _matrix(text: str, title: str) -> dict:
@@ -37,12 +44,22 @@ def _matrix(text: str, title: str) -> dict:
 
 
 def parse(text: str) -> Topology:
-    """The "Link Type between two GPUs" matrix (XGMI, PCIE) and the NUMA nodes of --showtopo."""
+    """The "Link Type between two GPUs" (XGMI, PCIE) and "Weight between two GPUs" matrices and
+    the NUMA nodes of --showtopo."""
     types = _matrix(text, "Link Type between two GPUs")
-    if not types:
-        why = "nothing" if not text.strip() else "no Link Type matrix"
+    weights = {
+        pair: int(cell)
+        for pair, cell in _matrix(text, "Weight between two GPUs").items()
+        if cell.isdigit()
+    }
+    if not types and not weights:
+        why = "nothing" if not text.strip() else "no Link Type or Weight matrix"
         raise ToolError(f"rocm-smi --showtopo printed {why} (is the amdgpu driver loaded?)")
-    gpus = sorted({a for a, _ in types}, key=int)
-    links = {(a, b): cell for (a, b), cell in types.items() if int(a) < int(b)}
+    gpus = sorted({a for a, _ in {**weights, **types}}, key=int)
     numa = dict(re.findall(r"GPU\[(\d+)\]\s*: \(Topology\) Numa Node: (\d+)", text))
-    return Topology(gpus=gpus, links=links, numa=numa)
+    return Topology(
+        gpus=gpus,
+        links={(a, b): cell for (a, b), cell in types.items() if int(a) < int(b)},
+        numa=numa,
+        weights={(a, b): w for (a, b), w in weights.items() if int(a) < int(b)},
+    )

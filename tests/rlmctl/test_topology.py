@@ -90,6 +90,39 @@ def test_rocm_smi_pcie_node_fails_an_xgmi_expectation() -> None:
     assert state == "CRIT" and "6 of 6 GPU pairs below XGMI: GPU0-GPU1 PCIE" in detail
 
 
+def test_mi250x_every_gcd_has_its_three_direct_xgmi_peers() -> None:
+    topo = amd_topology.parse(recorded("rocm-smi-showtopo-mi250x-8gcd.txt"))
+    assert topo.gpus == [str(i) for i in range(8)] and len(topo.weights) == 28
+    assert sorted(set(topo.weights.values())) == [15, 30, 45]
+    expected, sku = vendors.expected_gpu_link("amd", "AMD Instinct MI250X/MI250")
+    assert (expected, sku) == ("XGMI3", "MI250X")
+    assert topology.judge(topo, expected, sku) == (
+        "OK",
+        "8 GPUs, every pair XGMI, each GPU with 3+ direct xGMI peers",
+        "",
+    )
+    # A layout with 4 direct peers per GCD is not this node's: every GCD is short.
+    assert topology.judge(topo, "XGMI4", "rlm_gpu_link")[0] == "CRIT"
+
+
+def test_mi250x_lost_xgmi_link_is_critical_with_the_gcd_pair_named() -> None:
+    topo = amd_topology.parse(recorded("rocm-smi-showtopo-mi250x-8gcd-xgmi-down.txt"))
+    state, detail, fix = topology.judge(topo, "XGMI3", "MI250X")
+    assert state == "CRIT" and "xGMI" in fix
+    assert detail == (
+        "1 of 28 GPU pairs below XGMI3: GPU0-GPU2 weight 45, not direct "
+        "(GPU0 has 2, GPU2 2 of 3 direct xGMI peers)"
+    )
+    # The link type alone (what rocm-smi's Hops and Link Type show) cannot see it.
+    assert topology.judge(topo, "XGMI", "MI250X")[0] == "OK"
+
+
+def test_xgmi_peer_count_also_needs_every_pair_xgmi() -> None:
+    text = recorded("rocm-smi-showtopo-4gpu-pcie.txt")
+    state, detail, _ = topology.judge(amd_topology.parse(text), "XGMI3", "MI250X")
+    assert state == "CRIT" and detail.startswith("6 of 6 GPU pairs below XGMI3: GPU0-GPU1 PCIE")
+
+
 def test_rocm_smi_without_a_gpu_prints_nothing_and_is_a_tool_error() -> None:
     # The real Debian rocm-smi exits 0 with an empty stdout (the fixture holds its stderr).
     assert "Driver not initialized" in recorded("rocm-smi-showtopo-debian-no-gpu.stderr.txt")
