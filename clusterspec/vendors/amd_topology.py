@@ -12,6 +12,9 @@ Expected layout per SKU: MI250X (HPE Cray EX235a, Frontier/LUMI: 4 OAMs, 8 GCDs)
 pair XGMI and each GCD directly linked to 3 others, as in the recorded weights
 (tests/rlmctl/fixtures/topology/rocm-smi-showtopo-mi250x-8gcd.txt): XGMI3. MI300X/MI325X (8
 fully connected GPUs) are judged on the link type only.
+
+`amd-smi topology` is not read: no published output of it from a real machine could be recorded
+as a fixture (docs/acceptance.md, "GPU topology on AMD hosts").
 """
 
 from __future__ import annotations

@@ -186,3 +186,23 @@ def test_topology_is_in_the_shipped_gate(tmp_path: Path) -> None:
         "detail": "skipped (no GPU)",
         "fix": "",
     }
+
+
+def test_amd_host_check_reads_rocm_smi_only(tmp_path: Path, monkeypatch) -> None:
+    """rocm-smi printing the MI250X recording with a lost xGMI link: CRIT naming the GCD pair.
+    A host with amd-smi but no rocm-smi is UNKNOWN (amd-smi topology is not parsed)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    cfg = {"vendor": "amd", "gpus": 8, "thresholds": health.THRESHOLDS, "gpu_link": "XGMI3"}
+    amd_smi = bin_dir / "amd-smi"
+    amd_smi.write_text("#!/bin/sh\nexit 0\n")
+    amd_smi.chmod(0o755)
+    result = hostcheck.check_topology(cfg)
+    assert result["state"] == "UNKNOWN" and "rocm-smi not found" in result["detail"], result
+    rocm_smi = bin_dir / "rocm-smi"
+    fixture = FIXTURES / "rocm-smi-showtopo-mi250x-8gcd-xgmi-down.txt"
+    rocm_smi.write_text(f"#!/bin/sh\nexec /bin/grep -v '^# ' '{fixture}'\n")
+    rocm_smi.chmod(0o755)
+    result = hostcheck.check_topology(cfg)
+    assert result["state"] == "CRIT" and "GPU0-GPU2 weight 45" in result["detail"], result
