@@ -2,13 +2,12 @@
 real HTTP target that serves the exporter's metric names with values chosen per criterion, one
 scraping the real rlm-exporter running inside the session rig's hosts (GPU readings from the
 stand-in nvidia-smi of tests/monitoring/test_e2e_rig.py, each host's own eth0). Both start together
-so their waits for data overlap; ~50 s on 2 cores."""
+so their waits for data overlap; 30-50 s on 2 cores, of which the rig part ~3 s."""
 
 from __future__ import annotations
 
 import contextlib
 import http.server
-import os
 import random
 import shutil
 import signal
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from monitoring.exporter import DEFAULT_PORT
@@ -98,9 +98,19 @@ class RigExporters:
     state: Path  # pid files and logs, on the shared directory
 
     def stop(self) -> None:
+        """SIGTERM each process and wait for it to exit, so the next user of the session rig
+        finds its ports free."""
+        processes = []
         for pid_file in self.state.glob("*.pid"):
-            with contextlib.suppress(ValueError, ProcessLookupError):
-                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            with contextlib.suppress(ValueError, psutil.Error):
+                processes.append(psutil.Process(int(pid_file.read_text())))
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(processes, timeout=20)
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
 
 
 def _start_rig_exporters(rig: Rig) -> RigExporters:
