@@ -111,6 +111,7 @@ class RigExporters:
         for process in alive:
             with contextlib.suppress(psutil.Error):
                 process.kill()
+        shutil.rmtree(self.state.parent, ignore_errors=True)  # the session rig outlives us
 
 
 def _start_rig_exporters(rig: Rig) -> RigExporters:
@@ -175,8 +176,10 @@ def prometheus(servers: Servers) -> str:
 
 
 def _wait_for_data(url: str) -> None:
-    """Until every criterion's query has samples (rate/deriv need two scrapes)."""
-    deadline = time.time() + 60
+    """Until every criterion's query has samples (rate/deriv need two scrapes). The network
+    share is a `[..:1m]` subquery, evaluated at whole minutes: its first sample comes at the
+    first whole minute after two scrapes, up to a minute plus the targets' start-up from now."""
+    deadline = time.time() + 150
     while time.time() < deadline:
         criteria = accept.prometheus_criteria(url, "r", 60, accept.thresholds(None), cpu=False)
         if all(c.verdict != accept.NO_DATA for c in criteria):
