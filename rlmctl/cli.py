@@ -141,6 +141,10 @@ def health(
     hosts = session.hosts()
     with session.fleet(hosts) as fleet:
         report = health_checks.run_checks(fleet)
+        if _slurm(session):  # Slurm's view of each node: drained (with reason) or down
+            from rlmctl import scheduler_slurm
+
+            scheduler_slurm.node_checks(fleet, session.inventory(), report)
         deep_result = None
         if deep:
             from rlmctl import deep as deep_checks
@@ -335,10 +339,24 @@ def resume(
     from rlmctl import supervise
 
     session = _session(ctx)
-    _not_under_slurm(session, "resume")
     excluded = set()
     if session.exclude:
         excluded = {h.name for h in session.inventory().select(session.exclude)}
+    if _slurm(session):
+        from rlmctl import scheduler_slurm
+
+        with session.registry() as registry, session.fleet([]) as fleet:
+            job_id = scheduler_slurm.resume(
+                fleet,
+                session.inventory(),
+                session.hosts(),
+                registry,
+                run,
+                sorted(excluded),
+                render.say(),
+            )
+        render.line(f"resubmitted {run} as Slurm job {job_id}; `rlmctl status {run}`")
+        return
     with session.registry() as registry, session.fleet([]) as fleet:
         started = supervise.resume(
             fleet, session.inventory(), registry, run, excluded, render.say(), force

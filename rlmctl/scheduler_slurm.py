@@ -1,4 +1,4 @@
-"""rlmctl's Slurm backend (`rlm_scheduler: slurm`): launch, status and stop through Slurm.
+"""rlmctl's Slurm backend (`rlm_scheduler: slurm`): launch, status, stop and resume through Slurm.
 
 Slurm allocates the nodes, starts one torchrun per node (the batch script of rlmctl.slurm), signals
 and requeues; rlmctl only submits, asks `squeue`/`sacct` and reads the run directory. Slurm's
@@ -14,16 +14,21 @@ import base64
 import contextlib
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlmctl import slurm as batch_script
 from rlmctl.errors import RlmctlError
+from rlmctl.health import CRIT, OK, UNKNOWN, WARN, Check, Report
 from rlmctl.inventory import Host, Inventory
 from rlmctl.records import RunStatus
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet, Result
 from trainer.rundir import RunDir, read_json, write_json_atomic
+
+Say = Callable[[str], None]
 
 SUBMIT_GROUP = "mgmt"
 JOB_FILE = "slurm.json"  # in the run directory: the job id(s) of the run
@@ -106,6 +111,7 @@ def job_script(
     time_limit: str,
     exclude: list[str],
     host: Host,
+    resume_from: str | None = None,
 ) -> str:
     return batch_script.render(
         config=run.config_path,
@@ -117,6 +123,7 @@ def job_script(
         host=host,
         run_dir=str(run.path),
         exclude=exclude,
+        resume_from=resume_from,
     )
 
 
@@ -138,8 +145,10 @@ def submit(
     run: RunDir,
     script: str,
     kind: str,
+    request: dict[str, Any],
 ) -> str:
-    """Write the batch script into the run directory, sbatch it, record the job; its id."""
+    """Write the batch script into the run directory, sbatch it, record the job and what it
+    asked for (nodes, partition, time limit: a resume asks for the same); its id."""
     path = run.path / f"slurm-{kind}-{len(registry.launches(name)) + 1}.sh"
     path.write_text(script, encoding="utf-8")
     path.chmod(0o755)
@@ -148,7 +157,9 @@ def submit(
     )
     job_id = result.stdout.strip().splitlines()[-1].split(";")[0]
     jobs = (read_json(run.path / JOB_FILE) or {}).get("jobs", [])
-    write_json_atomic(run.path / JOB_FILE, {"job_id": job_id, "jobs": [*jobs, job_id]})
+    write_json_atomic(
+        run.path / JOB_FILE, {"job_id": job_id, "jobs": [*jobs, job_id], "request": request}
+    )
     registry.record_launch(name, kind, [], job_id, "")
     run.record("launched", launch=kind, scheduler="slurm", job_id=job_id)
     return job_id
@@ -183,7 +194,8 @@ def launch(
     launching.refuse_existing(run, registry, name)
     launching.claim_run(run, registry, inventory, text, name)
     try:
-        job_id = submit(fleet, inventory, registry, name, run, script, "launch")
+        request = {"nodes": count, "partition": partition, "time_limit": time_limit}
+        job_id = submit(fleet, inventory, registry, name, run, script, "launch", request)
     except BaseException:
         registry.remove_run(name)
         run.discard()
@@ -267,6 +279,54 @@ def stop(fleet: Fleet, inventory: Inventory, run: RunDir, timeout: float) -> Job
     return current
 
 
+def resume(
+    fleet: Fleet,
+    inventory: Inventory,
+    hosts: list[Host],
+    registry: Registry,
+    name: str,
+    exclude: list[str],
+    say: Say,
+) -> str:
+    """Resubmit a stopped or failed run into its own run directory from its newest verified
+    checkpoint, with the nodes, partition and time limit it was launched with (the same global
+    batch), leaving out `exclude`; the new job's id. Refused while Slurm still holds its job."""
+    from rlmctl import launch as launching
+    from rlmctl import supervise
+
+    run = run_dir_of(registry, name)
+    supervise.refuse_done(run, name)
+    record = read_json(run.path / JOB_FILE) or {}
+    job_id = job_id_of(run)
+    if job_id is None or "request" not in record:
+        raise RlmctlError(
+            f"run {name} has no Slurm job recorded in {run.path / JOB_FILE}; it was not launched "
+            "under rlm_scheduler: slurm (use the inventory it was launched with)"
+        )
+    current = job(fleet, inventory, job_id)
+    if not current.ended and current.state:
+        raise RlmctlError(
+            f"run {name}'s Slurm job {job_id} is {current.state}; stop it first: rlmctl stop {name}"
+        )
+    request = record["request"]
+    host = hosts[0]
+    # Same global batch: the trainer's own check says whether it divides over these workers.
+    launching.resolve_config(run.config_path, [], run.path, request["nodes"] * host.gpus_per_node)
+    resume_from = supervise.resume_from(run, name, say)
+    script = job_script(
+        run,
+        name,
+        request["nodes"],
+        request["partition"],
+        request["time_limit"],
+        exclude,
+        host,
+        resume_from=resume_from,
+    )
+    check_request(fleet, inventory, script)
+    return submit(fleet, inventory, registry, name, run, script, "resume", request)
+
+
 def run_dir_of(registry: Registry, name: str) -> RunDir:
     return RunDir(Path(registry.run(name)["run_dir"]))
 
@@ -302,3 +362,37 @@ def status(fleet: Fleet, inventory: Inventory, registry: Registry, name: str) ->
             "reason": current.reason,
         },
     )
+
+
+def node_checks(fleet: Fleet, inventory: Inventory, report: Report) -> None:
+    """`rlmctl health` under Slurm: each node's `sinfo` state as a `slurm` check next to the host
+    checks. Drained or draining is WARN with Slurm's reason (jobs avoid it; the health check or an
+    operator put it there), down is CRIT, idle/allocated/mixed OK."""
+    try:
+        out = run_slurm(
+            fleet,
+            submit_host(inventory),
+            ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"],
+            "sinfo failed",
+        ).stdout
+    except SlurmRefused as error:
+        for host in report.hosts:
+            host.checks.append(Check("slurm", UNKNOWN, str(error)))
+        return
+    nodes = {}
+    for row in out.splitlines():
+        name, state, reason = ([*row.strip().split("|"), "", ""])[:3]
+        nodes[name] = (state, reason)
+    for host in report.hosts:
+        if host.host not in nodes:
+            continue  # not a Slurm node (the controller)
+        state, reason = nodes[host.host]
+        detail = state + (f": {reason}" if reason and reason != "none" else "")
+        fix = f"fix it, then: scontrol update NodeName={host.host} State=RESUME"
+        base = state.rstrip("*~#!%$@^-+")
+        if base.startswith("down"):
+            host.checks.append(Check("slurm", CRIT, detail, fix))
+        elif base.startswith("drain"):
+            host.checks.append(Check("slurm", WARN, detail, fix))
+        else:
+            host.checks.append(Check("slurm", OK, detail))

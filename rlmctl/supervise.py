@@ -41,6 +41,33 @@ def resume_checkpoint(run: RunDir, say: Say) -> CheckpointInfo | None:
     return None
 
 
+def resume_from(run: RunDir, name: str, say: Say) -> str:
+    """The trainer's checkpoint.resume for a resume: the newest verified checkpoint, or `never`
+    when there is none yet; refuses when checkpoints exist but none verifies."""
+    checkpoint = resume_checkpoint(run, say)
+    complete_once = [i for i in run.checkpoints() if (i.path / MANIFEST_NAME).exists()]
+    if checkpoint is None and complete_once:
+        raise RlmctlError(
+            f"none of the {len(complete_once)} checkpoint(s) of run {name} verifies (see "
+            f"`rlmctl checkpoints {name} --verify`); restore them, or move them aside to start "
+            "again from step 0"
+        )
+    if checkpoint is None:
+        say("no checkpoint yet: the run starts again from step 0")
+        return "never"
+    say(f"resuming from {checkpoint.path.name} (step {checkpoint.step}, verified)")
+    return str(checkpoint.path)
+
+
+def refuse_done(run: RunDir, name: str) -> None:
+    if run.state() is RunState.DONE:
+        step = run.status().step
+        raise RlmctlError(
+            f"run {name} is done (step {step}); nothing to resume. To train further, launch a "
+            f"new run from its checkpoint: checkpoint.resume={run.checkpoints_dir}/step-..."
+        )
+
+
 def resume(
     fleet: Fleet,
     inventory: Inventory,
@@ -52,12 +79,7 @@ def resume(
 ) -> Started:
     run, hosts = launch.run_hosts(inventory, registry, name)
     alive = [h for h, p in launch.processes(fleet, registry, name, run, hosts).items() if p.alive]
-    if run.state() is RunState.DONE:
-        step = run.status().step
-        raise RlmctlError(
-            f"run {name} is done (step {step}); nothing to resume. To train further, launch a "
-            f"new run from its checkpoint: checkpoint.resume={run.checkpoints_dir}/step-..."
-        )
+    refuse_done(run, name)
     if alive:
         raise RlmctlError(
             f"run {name} is still running on {', '.join(alive)}; stop it first: rlmctl stop {name}"
@@ -65,20 +87,7 @@ def resume(
     hosts = [h for h in hosts if h.name not in exclude]
     if not hosts:
         raise GateRefused(f"no hosts left for run {name} after excluding {', '.join(exclude)}")
-    checkpoint = resume_checkpoint(run, say)
-    complete_once = [i for i in run.checkpoints() if (i.path / MANIFEST_NAME).exists()]
-    if checkpoint is None and complete_once:
-        raise RlmctlError(
-            f"none of the {len(complete_once)} checkpoint(s) of run {name} verifies (see "
-            f"`rlmctl checkpoints {name} --verify`); restore them, or move them aside to start "
-            "again from step 0"
-        )
-    if checkpoint is None:
-        say("no checkpoint yet: the run starts again from step 0")
-        overrides = ["checkpoint.resume=never"]
-    else:
-        say(f"resuming from {checkpoint.path.name} (step {checkpoint.step}, verified)")
-        overrides = [f"checkpoint.resume={checkpoint.path}"]
+    overrides = [f"checkpoint.resume={resume_from(run, name, say)}"]
     healthy, report = launch.gate(fleet, hosts, force=True, say=say)
     dropped = [h.host for h in report.failed]
     if not force:

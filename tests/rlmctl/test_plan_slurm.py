@@ -126,11 +126,14 @@ def slurm_inventory(local_inventory: Path) -> Path:
     return local_inventory
 
 
-def test_watch_and_resume_refuse_slurm_runs_in_one_line(local_inventory: Path) -> None:
-    inventory = str(slurm_inventory(local_inventory))
-    for command in ("watch", "resume"):
-        result = rlmctl("-i", inventory, command, "some-run")
-        assert_one_line_error(result, 2, f"rlmctl {command} does not drive Slurm jobs yet")
+def test_watch_refuses_slurm_runs_in_one_line(local_inventory: Path) -> None:
+    result = rlmctl("-i", str(slurm_inventory(local_inventory)), "watch", "some-run")
+    assert_one_line_error(result, 2, "rlmctl watch does not drive Slurm jobs yet")
+
+
+def test_slurm_resume_of_an_unknown_run_is_one_line(local_inventory: Path) -> None:
+    result = rlmctl("-i", str(slurm_inventory(local_inventory)), "resume", "some-run")
+    assert_one_line_error(result, 2, "some-run")
 
 
 def test_slurm_launch_without_a_controller_group_writes_nothing(local_inventory: Path) -> None:

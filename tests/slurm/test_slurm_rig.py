@@ -28,6 +28,7 @@ from tests.slurm.slurm_rig import (
     slurm_inventory,
 )
 from tests.test_rig_systemd import systemd_unavailable
+from trainer.rundir import RunDir
 
 pytestmark = [pytest.mark.rig, pytest.mark.timeout(1800)]
 COMPUTE = ("node2", "node3", "node4")
@@ -191,21 +192,55 @@ def test_launch_trains_tiny_on_two_nodes_to_completion(cluster: Cluster) -> None
     assert "step 20/20" in logs
 
 
-def test_stop_mid_run_checkpoints_and_cancels(cluster: Cluster) -> None:
-    assert cluster.first.rc == 0
-    run = "slurm-stop"
-    overrides = [*TINY, "train.steps=100000", "checkpoint.interval_steps=1000"]
+def launch_and_stop(cluster: Cluster, run: str, steps: int, at_step: int) -> dict:
+    """Launch `tiny` on 2 nodes (no interval checkpoint), `rlmctl stop` it once it reaches
+    `at_step`; its status after the stop."""
+    overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=1000"]
     argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2"]
     result = rlmctl("-i", str(cluster.inventory), *argv, *overrides, timeout=180)
     assert result.returncode == 0, result.stderr
-    wait_for(lambda: (status_of(cluster, run).get("step") or 0) >= 5, 240, "step 5")
+    wait_for(lambda: (status_of(cluster, run).get("step") or 0) >= at_step, 240, f"step {at_step}")
     stopped = rlmctl("-i", str(cluster.inventory), "stop", run, "--timeout", "90", timeout=240)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    status = status_of(cluster, run)
+    return status_of(cluster, run)
+
+
+def test_stop_mid_run_checkpoints_and_cancels(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    status = launch_and_stop(cluster, "slurm-stop", 100000, at_step=5)
     assert status["slurm"]["state"] == "CANCELLED", status
     assert status["state"] == "stopped" and status["checkpoint"]["valid"], status
     assert status["checkpoint"]["step"] >= 5  # the signal's checkpoint, not the interval's
     assert run_processes(cluster, Path(status["run_dir"])) == {}
+
+
+def test_resume_after_stop_finishes_in_the_same_run_directory(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    run, steps = "slurm-resume", 400
+    before = launch_and_stop(cluster, run, steps, at_step=3)
+    assert before["state"] == "stopped" and before["checkpoint"]["valid"], before
+    assert 3 <= before["checkpoint"]["step"] < steps, before
+    first_job = before["slurm"]["job_id"]
+
+    resumed = rlmctl("-i", str(cluster.inventory), "resume", run, timeout=180)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    checkpoint = f"resuming from step-{before['checkpoint']['step']:08d}"
+    assert checkpoint in resumed.stderr + resumed.stdout, resumed.stderr
+    final = wait_for(
+        lambda: (s := status_of(cluster, run)) and s["slurm"]["state"] == "COMPLETED" and s,
+        300,
+        "the resumed job to complete",
+    )
+    assert final["slurm"]["job_id"] != first_job
+    assert final["state"] == "done" and final["step"] == steps, final
+    assert final["run_dir"] == before["run_dir"]
+    # Every step trained exactly once over both jobs: the resume neither repeats nor skips one.
+    logged = [
+        r["step"] for r in RunDir(Path(final["run_dir"])).read_metrics() if r.get("kind") == "train"
+    ]
+    assert sorted(logged) == list(range(1, steps + 1)), logged
+    again = rlmctl("-i", str(cluster.inventory), "resume", run, timeout=60)
+    assert again.returncode != 0 and "is done" in again.stderr, again.stderr
 
 
 def registry_rows(cluster: Cluster) -> list[str]:
@@ -242,3 +277,51 @@ def test_a_job_slurm_refuses_is_one_line_and_leaves_nothing(
     assert any(text in lines[0] for text in reason) and fix in lines[0], lines[0]
     assert not (cluster.rig.shared_dir / "runs" / run).exists()
     assert registry_rows(cluster) == before
+
+
+def health_checks_of(cluster: Cluster) -> dict[str, dict[str, dict]]:
+    """Per host, its `rlmctl health --json` checks by name."""
+    result = rlmctl("-i", str(cluster.inventory), "health", "--json", timeout=180)
+    assert "Traceback" not in result.stderr, result.stderr
+    hosts = json.loads(result.stdout)["hosts"]
+    return {h["host"]: {c["name"]: c for c in h["checks"]} for h in hosts}
+
+
+def test_health_shows_slurms_drain_state_with_its_reason(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    rig = cluster.rig
+    rig.exec("node1", "scontrol update NodeName=node4 State=DRAIN Reason='rig drain test'")
+    try:
+        drained = health_checks_of(cluster)
+    finally:
+        rig.exec("node1", "scontrol update NodeName=node4 State=RESUME")
+    assert drained["node4"]["slurm"]["state"] == "WARN", drained["node4"]["slurm"]
+    assert "rig drain test" in drained["node4"]["slurm"]["detail"]
+    assert "State=RESUME" in drained["node4"]["slurm"]["fix"]
+    assert all(drained[n]["slurm"]["state"] == "OK" for n in ("node2", "node3")), drained
+    resumed = health_checks_of(cluster)
+    assert resumed["node4"]["slurm"]["state"] == "OK", resumed["node4"]["slurm"]
+
+
+def compute_nodes_idle(cluster: Cluster) -> bool:
+    out = cluster.rig.exec("node1", "sinfo --noheader --Node --format='%N %T' || true").stdout
+    return sorted(out.split("\n")[:-1]) == [f"{n} idle" for n in COMPUTE]
+
+
+def test_launch_with_slurmctld_down_is_one_line_and_leaves_nothing(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    run = "slurm-no-controller"
+    before = registry_rows(cluster)
+    cluster.rig.exec("node1", "systemctl stop slurmctld")
+    try:
+        argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2", *TINY]
+        result = rlmctl("-i", str(cluster.inventory), *argv, timeout=240)
+    finally:
+        cluster.rig.exec("node1", "systemctl start slurmctld")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "Unable to contact slurm controller" in lines[0], lines[0]
+    assert "systemctl start slurmctld" in lines[0], lines[0]
+    assert not (cluster.rig.shared_dir / "runs" / run).exists()
+    assert registry_rows(cluster) == before
+    wait_for(lambda: compute_nodes_idle(cluster), 120, "the compute nodes idle again")
