@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,3 +115,28 @@ def test_device_type_and_backend_come_from_the_one_vendor_lookup() -> None:
             if pattern.search(line) and not (allowed and allowed in line):
                 found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not found, "use trainer.distributed.accelerator() instead:\n" + "\n".join(found)
+
+
+def test_two_rank_workers_exit_when_the_run_is_done(prepared_data: Path, tmp_path: Path) -> None:
+    """Found by `make demo`: a run recorded `done` while one gloo worker never exited (DDP's
+    Reducer freed as the process group's last owner joins gloo's threads with the GIL held).
+    The demo's shape and threads (torch's default OMP threads), checkpoints and evaluations."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += ["-m", "trainer", "train", "--config", str(TINY), f"data.path={prepared_data}"]
+    command += ["train.steps=30", "train.global_batch=16", "train.micro_batch=8"]
+    command += ["checkpoint.interval_steps=10", "eval.every=10", "eval.batches=1"]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
+    }
+    for attempt in range(3):  # a race: the demo hit it in 2 of 2 runs
+        run_dir = tmp_path / f"run-{attempt}"
+        result = subprocess.run(
+            [*command, f"run_dir={run_dir}"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,  # raises TimeoutExpired (the test fails) when a worker hangs at exit
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert RunDir(run_dir).read_status()["state"] == "done"
