@@ -164,7 +164,13 @@ def side_group(cfg: CommConfig) -> Any:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
 
 
-def shutdown(env: DistEnv) -> None:
+def shutdown(env: DistEnv, wrapped: nn.Module | None = None) -> None:
+    """Destroy the process group; `wrapped` (what wrap_model returned) lets go of DDP's Reducer
+    first, while the group has other owners: freed as the group's last owner it joins gloo's
+    worker threads with the GIL held, and a worker still freeing a comm-hook tensor waits for the
+    GIL forever (a run recorded done whose worker never exits)."""
+    if wrapped is not None and hasattr(wrapped, "reducer"):
+        del wrapped.reducer
     if env.distributed and dist.is_initialized():
         dist.destroy_process_group()
 

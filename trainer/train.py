@@ -221,13 +221,7 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
             _record_exit(reporter, run_dir, previous, state, exit_code, run)
         reporter.close()
         owner.close()
-        # DDP's Reducer goes first, while the process group has other owners: freed as the
-        # group's last owner (when this frame is cleared) it joins gloo's worker threads with the
-        # GIL held, and a worker still freeing a comm-hook tensor waits for the GIL forever: a
-        # run recorded done whose worker never exits.
-        if run is not None and hasattr(run.ddp_model, "reducer"):
-            del run.ddp_model.reducer
-        distributed.shutdown(env)
+        distributed.shutdown(env, run.ddp_model if run is not None else None)
     return exit_code
 
 

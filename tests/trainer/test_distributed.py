@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -121,22 +118,13 @@ def test_two_rank_workers_exit_when_the_run_is_done(prepared_data: Path, tmp_pat
     """Found by `make demo`: a run recorded `done` while one gloo worker never exited (DDP's
     Reducer freed as the process group's last owner joins gloo's threads with the GIL held).
     The demo's shape and threads (torch's default OMP threads), checkpoints and evaluations."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += ["-m", "trainer", "train", "--config", str(TINY), f"data.path={prepared_data}"]
-    command += ["train.steps=30", "train.global_batch=16", "train.micro_batch=8"]
-    command += ["checkpoint.interval_steps=10", "eval.every=10", "eval.batches=1"]
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
-    }
+    args = ["--config", str(TINY), f"data.path={prepared_data}", "train.steps=30"]
+    args += ["train.global_batch=16", "train.micro_batch=8"]
+    args += ["checkpoint.interval_steps=10", "eval.every=10", "eval.batches=1"]
+    threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     for attempt in range(3):  # a race: the demo hit it in 2 of 2 runs
         run_dir = tmp_path / f"run-{attempt}"
-        result = subprocess.run(
-            [*command, f"run_dir={run_dir}"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,  # raises TimeoutExpired (the test fails) when a worker hangs at exit
-        )
+        # torchrun's timeout raises TimeoutExpired (the test fails) when a worker hangs at exit.
+        result = torchrun(2, *args, f"run_dir={run_dir}", timeout=240, env=threads)
         assert result.returncode == 0, result.stderr[-2000:]
         assert RunDir(run_dir).read_status()["state"] == "done"

@@ -34,8 +34,10 @@ def free_port() -> int:
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a trainer subprocess; `extra` adds variables (tests.trainer.faults)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(extra or {}))
+    """The environment of a trainer subprocess; `extra` adds or overrides variables
+    (tests.trainer.faults)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update(extra or {})
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
