@@ -2,10 +2,13 @@
 
     python -m monitoring.file_sd --inventory inventory/prod --out /etc/prometheus/targets
 
-writes one `<job>.json` per scrape job of monitoring/prometheus/prometheus.yml. Every target
-carries `host` (the inventory name); hosts in the inventory group `drained` also carry
-`drained="true"`, which keeps NodeDown quiet while they are out for maintenance. Prometheus
-re-reads the files on change; no reload needed.
+writes one `<job>.json` per scrape job of monitoring/prometheus/prometheus.yml, and one
+`gpu-<job>.json` per GPU vendor exporter: prometheus.yml's single `gpu-exporter` job reads
+`gpu-*.json`, and each target's `job` label (which Prometheus keeps over the job name) names the
+vendor's exporter, so a new vendor needs no edit there. Every target carries `host` (the
+inventory name); hosts in the inventory group `drained` also carry `drained="true"`, which keeps
+NodeDown quiet while they are out for maintenance. Prometheus re-reads the files on change; no
+reload needed.
 """
 
 from __future__ import annotations
@@ -25,12 +28,18 @@ DRAINED_GROUP = "drained"
 # metrics endpoint (rank 0 serves it, launched with metrics.port=9401).
 # None: the host's rlm_exporter_port (clusterspec/variables.yml, the rlm_exporter role's port).
 # Vendor exporters come from the vendor descriptions, on that vendor's compute hosts.
+VENDOR_JOBS = {v.EXPORTER_JOB[0]: (v.EXPORTER_JOB[1], v.NAME) for v in vendors.VENDORS.values()}
 JOBS: dict[str, tuple[int | None, str]] = {
     "node": (9100, "all"),
     "rlm-exporter": (None, "all"),
-    **{v.EXPORTER_JOB[0]: (v.EXPORTER_JOB[1], v.NAME) for v in vendors.VENDORS.values()},
+    **VENDOR_JOBS,
     "rlm-trainer": (9401, "compute"),
 }
+
+
+def target_file(job: str) -> str:
+    """The file_sd file of `job`: vendor exporters share prometheus.yml's gpu-*.json pattern."""
+    return f"gpu-{job}.json" if job in VENDOR_JOBS else f"{job}.json"
 
 
 def _wanted(host: Host, which: str) -> bool:
@@ -51,6 +60,8 @@ def target_groups(inventory: Inventory) -> dict[str, list[dict[str, Any]]]:
             if not _wanted(host, which):
                 continue
             labels = {"host": host.name}
+            if job in VENDOR_JOBS:
+                labels["job"] = job
             if host.name in drained:
                 labels["drained"] = "true"
             target = f"{host.address}:{port or host.exporter_port}"
@@ -64,7 +75,7 @@ def write_targets(jobs: dict[str, list[dict[str, Any]]], out: Path) -> list[Path
     written = []
     for job, groups in jobs.items():
         # Atomic: Prometheus watches the directory and must never read half a file.
-        path = out / f"{job}.json"
+        path = out / target_file(job)
         write_json_atomic(path, groups)
         written.append(path)
     return written

@@ -149,7 +149,7 @@ def test_file_sd_targets_from_the_inventory(tmp_path: Path) -> None:
     assert by_host["amd-device-metrics"]["gpu2"]["targets"] == ["10.1.0.12:5000"]
     assert set(by_host["amd-device-metrics"]) == {"gpu2"}
     assert set(by_host["rlm-trainer"]) == {"gpu1", "gpu2", "gpu3"}
-    assert by_host["dcgm"]["gpu3"]["labels"] == {"host": "gpu3", "drained": "true"}
+    assert by_host["dcgm"]["gpu3"]["labels"] == {"host": "gpu3", "job": "dcgm", "drained": "true"}
     assert by_host["node"]["gpu1"]["labels"] == {"host": "gpu1"}
 
 
@@ -231,9 +231,9 @@ def test_every_scrape_job_that_always_has_targets_is_watched_by_absent() -> None
     jobs = {job["job_name"] for job in config["scrape_configs"]}
     expr = next(a["expr"] for a in alerts() if a["alert"] == "ScrapeJobMissing")
     watched = set(re.findall(r'absent\(up\{job="([a-z-]+)"\}\)', expr))
-    # dcgm/amd-device-metrics have targets only on sites with that vendor; rlm-trainer's are
-    # down by design except rank 0 (TrainingStalled watches runs instead).
-    assert watched == jobs - {"dcgm", "amd-device-metrics", "rlm-trainer"}
+    # gpu-exporter has targets only on sites with a vendor exporter; rlm-trainer's are down by
+    # design except rank 0 (TrainingStalled watches runs instead).
+    assert watched == jobs - {"gpu-exporter", "rlm-trainer"}
 
 
 def test_rule_files_rendered_with_the_site_runbook_base(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,7 +15,9 @@ import jinja2
 import pytest
 import yaml
 
+from clusterspec import vendors
 from tests.monitoring.conftest import wait_for
+from tests.monitoring.test_config import render_prometheus
 from tests.monitoring.test_e2e_rig import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,6 +90,36 @@ def test_lifecycle_and_admin_endpoints_are_off_and_sighup_reloads(tmp_path: Path
         wait_for(lambda: reloads(base) > first, 30, "a reload after SIGHUP")
         assert "30s" in get(f"{base}/api/v1/status/config")[1]
         assert process.poll() is None
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_vendor_exporters_keep_their_job_label_in_the_one_gpu_job(tmp_path: Path) -> None:
+    """prometheus.yml names no vendor: its gpu-exporter job reads every gpu-<job>.json, and a
+    real Prometheus keeps each target's job label (what rules and dashboards select on)."""
+    config = render_prometheus(tmp_path)
+    listen = f"127.0.0.1:{free_port()}"
+    argv = [
+        shutil.which("prometheus"), f"--config.file={config}", f"--web.listen-address={listen}",
+        f"--storage.tsdb.path={tmp_path / 'data'}",
+    ]  # fmt: skip
+    base = f"http://{listen}"
+    with open(tmp_path / "log", "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: get(f"{base}/-/ready")[0] == 200, 60, "Prometheus ready")
+
+        def gpu_jobs() -> set[tuple[str, str]]:
+            targets = json.loads(get(f"{base}/api/v1/targets")[1])["data"]["activeTargets"]
+            return {
+                (t["scrapePool"], t["labels"]["job"])
+                for t in targets
+                if t["scrapePool"] == "gpu-exporter"
+            }
+
+        expected = {("gpu-exporter", v.EXPORTER_JOB[0]) for v in vendors.VENDORS.values()}
+        wait_for(lambda: gpu_jobs() == expected, 30, f"targets of {sorted(expected)}")
     finally:
         process.terminate()
         process.wait(timeout=30)
