@@ -17,7 +17,7 @@ import pytest
 from tests.rig import MAX_HOSTS, Rig
 from tests.rig.layout import Layout
 from tests.rig.processes import identify, is_running
-from tests.rig.rig import leftovers
+from tests.rig.rig import PAUSE_FIFO_ENV, leftovers
 from trainer.rundir import read_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,22 +231,26 @@ def test_a_rig_left_by_a_dead_process_is_torn_down_by_another(rig: Rig) -> None:
     assert rig.ssh("node1", "hostname").stdout == "node1\n"
 
 
-def test_ctrl_c_during_up_tears_the_half_built_rig_down(rig: Rig) -> None:
+def test_ctrl_c_during_up_tears_the_half_built_rig_down(rig: Rig, tmp_path: Path) -> None:
     layout = Layout(rig.layout.rig_id, CLI_SLOT)
+    pause = tmp_path / "pause"
+    os.mkfifo(pause)
     up = subprocess.Popen(
         [sys.executable, "-m", "tests.rig", "up", "32", "--slot", str(CLI_SLOT)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, PAUSE_FIFO_ENV: str(pause)},
     )
     try:
-        # Interrupt once the hosts' processes exist: the state file lists them from then on.
-        deadline = time.monotonic() + 60
+        # `up` waits on the FIFO once the hosts' processes exist (and the state file lists them).
+        deadline = time.monotonic() + 120
         while not (read_json(layout.state_file) or {}).get("hosts"):
             assert up.poll() is None and time.monotonic() < deadline, up.stderr
-            time.sleep(0.01)
+            time.sleep(0.05)
         recorded = Rig.attach(slot=CLI_SLOT).processes()
+        assert recorded
         up.send_signal(signal.SIGINT)
         _, err = up.communicate(timeout=60)
     finally:

@@ -29,6 +29,10 @@ HALT_GRACE_S = 20.0  # a halting node stops its units first
 STATE_FORMAT = 2
 
 
+# A FIFO `up` opens for reading (and so waits on) once every host's processes exist.
+PAUSE_FIFO_ENV = "RLM_RIG_PAUSE_FIFO"
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -203,6 +207,10 @@ class Rig:
                 raise RigError(f"the namespace holder of {name} exited at once")
             self.hosts.append(Host(name, ip, layout.netns(i), holder, suite, boot_dir))
         self._save_state()
+        pause = os.environ.get(PAUSE_FIFO_ENV)
+        if pause:  # a test interrupts a half-built rig here; it never writes to the FIFO
+            with open(pause, encoding="utf-8"):
+                pass
         node.wait_holders_ready(layout, holders, deadline - time.monotonic())
 
         for host in self.hosts:
