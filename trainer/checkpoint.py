@@ -281,6 +281,10 @@ class CheckpointStore:
         self.last_save_seconds = 0.0  # wall time of the newest successful write (any thread)
         self.loaded_path: Path | None = None
         self._thread: threading.Thread | None = None
+        # Retention deletes in the background (as torchtitan's purge thread does): removing an old
+        # checkpoint is most of a save's cost beyond the write, and training need not wait for it.
+        self._purges: list[threading.Thread] = []
+        self._purging: set[Path] = set()
         self._pending_error: CheckpointError | None = None
         self._staging: dict[tuple[Any, ...], torch.UntypedStorage] = {}  # async host buffers
         self._host = socket.gethostname()
@@ -297,7 +301,7 @@ class CheckpointStore:
             return self._save_sharded(step, state)
         if self.rank != 0:
             return True
-        self.wait()
+        self._wait_for_write()
         try:
             self.run_dir.checkpoints_dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temp_dirs()
@@ -314,7 +318,16 @@ class CheckpointStore:
         return True
 
     def wait(self) -> None:
-        """Block until the async save in flight (if any) has finished; raise its stop error."""
+        """Block until the async save in flight (if any) and retention's deletes have finished;
+        raise the save's stop error."""
+        try:
+            self._wait_for_write()  # first: a background save may start deletes of its own
+        finally:
+            for purge in self._purges:
+                purge.join()
+            self._purges.clear()
+
+    def _wait_for_write(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -391,7 +404,7 @@ class CheckpointStore:
     # sharded saves (trainer/sharded_checkpoint.py) ------------------------------------------------
     def _save_sharded(self, step: int, state: dict[str, Any]) -> bool:
         """Every rank writes its DCP shards into rank 0's temp directory; rank 0 publishes it."""
-        self.wait()
+        self._wait_for_write()
         started = time.perf_counter()
         prepared: tuple[str, str] | None = None
         if self.rank == 0:
@@ -540,6 +553,8 @@ class CheckpointStore:
             if not pid_text.isdigit() or not path.is_dir():
                 continue
             pid = int(pid_text)
+            if path in self._purging:
+                continue  # this process's own retention is deleting it
             if pid == os.getpid() or not _pid_alive(pid):
                 log.info("checkpoint: removing %s left by an interrupted save", path.name)
                 shutil.rmtree(path, ignore_errors=True)
@@ -574,10 +589,29 @@ class CheckpointStore:
             )
             try:
                 os.rename(info.path, doomed)
-                shutil.rmtree(doomed)
-                log.info("checkpoint: removed %s (retention)", info.path.name)
             except OSError as exc:
                 log.warning("checkpoint: could not remove %s: %s", info.path, _first_line(exc))
+                continue
+            self._purge(doomed, info.path.name)
+        self._purges = [purge for purge in self._purges if purge.is_alive()]
+
+    def _purge(self, doomed: Path, name: str) -> None:
+        """Delete a renamed-away checkpoint in a background thread (joined by `wait`); a crash
+        mid-delete leaves a temp dir that the next save's stale-temp sweep removes."""
+
+        def delete() -> None:
+            try:
+                shutil.rmtree(doomed)
+                log.info("checkpoint: removed %s (retention)", name)
+            except OSError as exc:
+                log.warning("checkpoint: could not remove %s: %s", doomed, _first_line(exc))
+            finally:
+                self._purging.discard(doomed)
+
+        self._purging.add(doomed)
+        purge = threading.Thread(target=delete, name=f"checkpoint-purge-{name}", daemon=False)
+        self._purges.append(purge)
+        purge.start()
 
     # loading -----------------------------------------------------------------------------------
     def load(self) -> dict[str, Any] | None:

@@ -365,6 +365,7 @@ def test_retention_keeps_last_k_and_milestones(tmp_path: Path) -> None:
     for step in range(1, 10):
         assert mgr.save(step, {**small, "progress": {"step": step}})
     assert step_dirs(tmp_path) == ["step-00000004", "step-00000008", "step-00000009"]
+    mgr.wait()  # retention deletes the renamed-away directories in the background
     assert hidden_dirs(tmp_path) == []
 
 
