@@ -531,6 +531,16 @@ class RlmCollector(Collector):
             "checkpoint_interval_steps": GaugeMetricFamily(
                 "rlm_run_checkpoint_interval_steps", "Steps between checkpoints", labels=["run"]
             ),
+            "step_time": GaugeMetricFamily(
+                "rlm_run_step_duration_seconds",
+                "Mean step time since the previous status.json",
+                labels=["run"],
+            ),
+            "comm_time": GaugeMetricFamily(
+                "rlm_run_comm_duration_seconds",
+                "Mean gradient communication time per step (rank 0), same window",
+                labels=["run"],
+            ),
         }
         restarts = CounterMetricFamily(
             "rlm_run_restarts", "Trainer starts after the first one", labels=["run"]

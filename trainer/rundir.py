@@ -11,7 +11,9 @@ Layout::
       config.yaml                       effective trainer config, written once when the run is made
       trainer.lock                      held (flock) by the trainer that owns the run; holder inside
       metrics.jsonl                     one JSON object per logged step (rank 0 appends)
-      status.json                       newest progress snapshot, replaced atomically
+      status.json                       newest progress snapshot, replaced atomically (step, loss,
+                                        step_time/comm_time: mean seconds of a step and of its
+                                        gradient communication since the last snapshot)
       events.jsonl                      lifecycle events (launched, start, checkpoint, exit, stop_*)
       checkpoints/step-00001000/        one directory per checkpoint; manifest.json written last
       hosts/<host>/launch.json          what rlmctl started on that host (pid, pgid, command)
@@ -156,6 +158,8 @@ class Status:
     tokens_per_s: float | None = None
     updated: float | None = None
     exit_code: int | None = None
+    step_time: float | None = None  # mean seconds per step since the previous snapshot
+    comm_time: float | None = None  # of which this rank's gradient collectives ran (rank 0)
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> Status:
@@ -176,6 +180,8 @@ class Status:
             tokens_per_s=number("tokens_per_s", float),
             updated=number("updated", float),
             exit_code=number("exit_code", int),
+            step_time=number("step_time", float),
+            comm_time=number("comm_time", float),
         )
 
 

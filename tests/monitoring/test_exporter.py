@@ -55,7 +55,15 @@ def make_run(root: Path, name: str = "run-a", state: str = "running", step: int 
     broken = run.checkpoint_path(110)  # a save interrupted before its manifest
     broken.mkdir()
     (broken / "model.safetensors").write_bytes(b"half")
-    run.write_status(state=state, step=step, loss=3.2, checkpoint_interval_steps=50, max_steps=1000)
+    run.write_status(
+        state=state,
+        step=step,
+        loss=3.2,
+        checkpoint_interval_steps=50,
+        max_steps=1000,
+        step_time=0.8,
+        comm_time=0.2,
+    )
     return run
 
 
@@ -101,6 +109,8 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         assert value(samples, "rlm_run_checkpoint_step", run="run-a") == 100  # 110 is partial
         assert 0 <= value(samples, "rlm_run_checkpoint_age_seconds", run="run-a") < 60
         assert value(samples, "rlm_run_checkpoint_interval_steps", run="run-a") == 50
+        assert value(samples, "rlm_run_step_duration_seconds", run="run-a") == 0.8
+        assert value(samples, "rlm_run_comm_duration_seconds", run="run-a") == 0.2
         assert (
             abs(value(samples, "rlm_run_last_step_timestamp_seconds", run="run-a") - time.time())
             < 60
