@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -224,6 +224,7 @@ class RunSnapshot:
     checkpoint_failures: int
     checkpoint_step: int | None
     checkpoint_mtime: float | None
+    exit_codes: list[int] = field(default_factory=list)  # of the newest attempt
 
 
 def find_run_dirs(run_roots: Iterable[Path], run_dirs: Iterable[Path]) -> list[Path]:
@@ -244,15 +245,16 @@ def find_run_dirs(run_roots: Iterable[Path], run_dirs: Iterable[Path]) -> list[P
 def read_run(path: Path) -> RunSnapshot:
     run = RunDir(path)
     status = run.read_status()
-    events = run.read_events()
+    events = run.events()
     checkpoint = run.latest_valid_checkpoint()
     return RunSnapshot(
         name=run.name,
         status=status,
         restarts=run.restarts(),
-        checkpoint_failures=sum(1 for e in events if e.get("event") == "checkpoint_failed"),
+        checkpoint_failures=sum(1 for e in events if e.kind == "checkpoint_failed"),
         checkpoint_step=checkpoint.step if checkpoint else None,
         checkpoint_mtime=checkpoint.mtime if checkpoint else None,
+        exit_codes=run.attempt_exit_codes(events),
     )
 
 
@@ -556,8 +558,17 @@ class RlmCollector(Collector):
             "Age of the newest verified checkpoint",
             labels=["run"],
         )
+        exit_code = GaugeMetricFamily(
+            "rlm_run_exit_code",
+            "Exit code of the newest attempt: the first non-zero one of the trainer and each "
+            "host's torchrun, else 0; absent while none has exited",
+            labels=["run"],
+        )
         now = time.time()
         for run in snapshots:
+            if run.exit_codes:
+                failing = [code for code in run.exit_codes if code != 0]
+                exit_code.add_metric([run.name], failing[0] if failing else 0)
             current = run.status.get("state")
             for name in RUN_STATES:
                 state.add_metric([run.name, name], 1.0 if current == name else 0.0)
@@ -572,7 +583,7 @@ class RlmCollector(Collector):
                 checkpoint_age.add_metric([run.name], max(0.0, now - run.checkpoint_mtime))
         yield state
         yield from status_gauges.values()
-        yield from (restarts, failures, checkpoint_step, checkpoint_age)
+        yield from (restarts, failures, checkpoint_step, checkpoint_age, exit_code)
 
     def _filesystem_metrics(self) -> Iterator[Metric]:
         if self.filesystem is None:
