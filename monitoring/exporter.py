@@ -609,26 +609,21 @@ class RlmCollector(Collector):
         rss = GaugeMetricFamily(
             "rlm_trainer_resident_memory_bytes", "Trainer worker RSS", labels=["pid"]
         )
-        cpu = CounterMetricFamily(
-            "rlm_trainer_cpu_seconds", "Trainer worker CPU time (user+system)", labels=["pid"]
-        )
         fds = GaugeMetricFamily("rlm_trainer_open_fds", "Trainer worker open files", labels=["pid"])
         count = 0
         for process in trainer_processes():
             try:
                 with process.oneshot():
                     memory = process.memory_info().rss
-                    times = process.cpu_times()
                     open_fds = process.num_fds()
             except psutil.Error:
                 continue  # exited between listing and reading
             count += 1
             pid = str(process.pid)
             rss.add_metric([pid], memory)
-            cpu.add_metric([pid], times.user + times.system)
             fds.add_metric([pid], open_fds)
         alive.add_metric([], count)
-        yield from (alive, rss, cpu, fds)
+        yield from (alive, rss, fds)
 
     def _network_metrics(self) -> Iterator[Metric]:
         received = CounterMetricFamily(

@@ -136,6 +136,17 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         if not any(exporter.link_speed_bytes(device) for device in os.listdir("/sys/class/net")):
             used.discard("rlm_network_speed_bytes")  # no interface here reports a link speed
         assert used and used <= names(samples)
+        # ... and every series it exports feeds a rule or a panel, except these documented
+        # identity/diagnostic series (docs/monitoring.md, Metrics) that an operator reads by hand.
+        read_by_hand = {
+            "rlm_exporter_gpu_source_info",  # which vendor tool this node's exporter uses
+            "rlm_gpu_info",  # serial/UUID for the RMA (runbooks: GpuXidCritical, GpuMissing)
+            "rlm_run_checkpoint_step",  # which step a resume starts from
+            "rlm_shared_fs_mounted",  # rlmctl health's shared_fs check judges the mount
+            "rlm_trainer_open_fds",  # a file-descriptor leak, read when EMFILE shows up
+        }
+        exported = {n.removesuffix("_total") for n in names(samples) if n.startswith("rlm_")}
+        assert exported - {n.removesuffix("_total") for n in used} == read_by_hand
         trainer.kill()
         trainer.wait()
         wait_for(
