@@ -403,10 +403,13 @@ class RlmCollector(Collector):
         errors: ErrorCounts,
         kernel_log: Source | None = None,
         expected_gpus: int | None = None,
+        processes: Source | None = None,
     ) -> None:
         self.gpu_source = gpu_source
         self.errors = errors
-        self.sources = {s.name: s for s in (gpu_state, kernel_log, runs, filesystem) if s}
+        sources = (gpu_state, kernel_log, runs, filesystem, processes)
+        self.sources = {s.name: s for s in sources if s}
+        self.processes = processes
         self.gpu_state = gpu_state
         self.kernel_log = kernel_log
         self.expected_gpus = expected_gpus
@@ -611,7 +614,13 @@ class RlmCollector(Collector):
         )
         fds = GaugeMetricFamily("rlm_trainer_open_fds", "Trainer worker open files", labels=["pid"])
         count = 0
-        for process in trainer_processes():
+        # The background scan's newest list (a scrape only reads each worker's own /proc files);
+        # without that source, a scan now.
+        if self.processes is None:
+            workers = trainer_processes()
+        else:
+            workers = self.processes.snapshot()[1] or []
+        for process in workers:
             try:
                 with process.oneshot():
                     memory = process.memory_info().rss
@@ -677,11 +686,14 @@ def build_collector(args: argparse.Namespace) -> RlmCollector:
     if args.run_root or args.run_dir:
         probe = RunProbe(args.run_root, args.run_dir, errors)
         runs = Source("rundir", probe, args.interval, errors)
+    # Finding the workers reads every process's command line (~8 ms with a few thousand
+    # processes): a background scan, not a cost of every scrape.
+    processes = Source("processes", trainer_processes, args.interval, errors)
     shared = args.shared_dir or (args.run_root[0] if args.run_root else None)
     if shared:
         filesystem = Source("sharedfs", lambda: probe_filesystem(shared), args.interval, errors)
     collector = RlmCollector(
-        source, gpu_state, runs, filesystem, errors, kernel_log, args.expected_gpus
+        source, gpu_state, runs, filesystem, errors, kernel_log, args.expected_gpus, processes
     )
     for name in collector.sources:
         errors.add_source(name)  # every error counter exists from 0, for rate()/increase()
