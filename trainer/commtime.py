@@ -34,6 +34,10 @@ class CommTimer:
         self._open: dict[int, Any] = {}
         self._intervals: list[tuple[Any, Any]] = []
         self._next = 0
+        # An async collective's future may complete after the step that started it was taken:
+        # on the host clock its interval is clipped to the current window, so a step's figure
+        # never reaches back before the previous `take`.
+        self._window_start = time.perf_counter()
 
     def _mark(self) -> Any:
         if not self.on_device:
@@ -59,6 +63,7 @@ class CommTimer:
         """Seconds covered by the intervals ended since the last call (their union); resets."""
         with self._lock:
             intervals, self._intervals = self._intervals, []
+            window_start, self._window_start = self._window_start, time.perf_counter()
         if not intervals:
             return 0.0
         if self.on_device:
@@ -66,6 +71,8 @@ class CommTimer:
             intervals = [
                 (origin.elapsed_time(a) / 1e3, origin.elapsed_time(b) / 1e3) for a, b in intervals
             ]
+        else:
+            intervals = [(max(start, window_start), end) for start, end in intervals]
         return union_seconds(intervals)
 
 

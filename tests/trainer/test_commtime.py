@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from trainer.commtime import CommTimer, union_seconds
 from trainer.rundir import ExitCode, RunDir
 from trainer.train import train
 
-SLOW_S = 0.4
+SLOW_S = 1.0  # well above what scheduling on a loaded 2-core machine can shift
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,16 @@ def test_host_clock_timer_takes_and_resets() -> None:
     assert timer.take() == 0.0
 
 
+def test_a_collective_that_ends_after_its_step_was_taken_counts_only_in_the_next_window() -> None:
+    timer = CommTimer()
+    late = timer.start()  # an async all-gather whose future completes after the step's take
+    before = time.perf_counter()
+    assert timer.take() == 0.0
+    timer.end(late)
+    after = time.perf_counter()
+    assert timer.take() <= after - before
+
+
 def train_records(run_dir: Path) -> list[dict]:
     return [r for r in RunDir(run_dir).read_metrics() if r["kind"] == "train"]
 
@@ -61,7 +72,7 @@ def test_a_slow_peer_shows_as_communication_time_and_is_exported(
     records = train_records(run_dir)
     assert len(records) == 3
     for record in records:
-        assert SLOW_S * 0.8 <= record["comm_time"] <= record["step_time"], record
+        assert SLOW_S * 0.6 <= record["comm_time"] <= record["step_time"], record
     status = RunDir(run_dir).read_status()
     mean = sum(r["comm_time"] for r in records) / 3
     assert status["comm_time"] == pytest.approx(mean)
