@@ -1,16 +1,26 @@
-"""rlm-exporter cost: scrape latency with 8 GPUs and a run directory, and its CPU overhead.
+"""rlm-exporter cost: scrape latency with 8 GPUs and a run directory, its CPU overhead, and the
+alert latency from a fault in a run directory to the webhook.
 
 The exporter runs as its own process, exactly as on a node, with stand-ins for nvidia-smi and
 dmesg that print recorded output (tests/monitoring/fixtures): the figures are the exporter's own
-cost, not the vendor tool's (real nvidia-smi takes 50-300 ms of CPU per call on 8 GPUs).
+cost, not the vendor tool's (real nvidia-smi takes 50-300 ms of CPU per call on 8 GPUs). The load
+average is printed before and after: on a shared machine the tail latency is scheduling delay.
 
-    .venv/bin/python bench/exporter.py [--scrapes 1000]
+Alert latency: the Debian prometheus and prometheus-alertmanager binaries on loopback, the
+shipped rules with `for` removed, scraping the same exporter every second, the shipped routing
+delivering to a real HTTP webhook (as in tests/monitoring/test_e2e_rig.py). Each cycle marks a run
+failed in its status.json (the fault) and times RunFailed's arrival at the webhook, then marks it
+running again and times the resolved notification.
+
+    .venv/bin/python bench/exporter.py [--scrapes 1000] [--alert-cycles 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -25,11 +35,19 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import yaml  # noqa: E402
+
+from tests.monitoring.test_e2e_rig import (  # noqa: E402
+    WebhookReceiver,
+    render_alertmanager,
+    render_rules,
+)
 from trainer.rundir import RunDir, write_manifest  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "monitoring" / "fixtures"
 STANDIN = ROOT / "tests" / "monitoring" / "nvidia_smi_standin.py"
 REFRESH_INTERVAL_S = 1.0  # 10x faster than the default, so the background cost shows quickly
+PROMETHEUS, ALERTMANAGER = "/usr/bin/prometheus", "/usr/bin/prometheus-alertmanager"
 
 
 def free_port() -> int:
@@ -72,11 +90,92 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
+def wait_until(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.05)
+    raise TimeoutError(f"no {what} within {timeout_s:g} s")
+
+
+def alert_latency(tmp: Path, exporter_port: int, run: RunDir, cycles: int) -> list[tuple]:
+    """(fault -> firing, recovery -> resolved) seconds of RunFailed at the webhook, per cycle."""
+    webhook = WebhookReceiver()
+    prom_port, am_port = free_port(), free_port()
+    am_config = render_alertmanager(tmp / "alertmanager.yml", webhook.url)
+    config_dir = tmp / "prometheus"
+    config_dir.mkdir()
+    render_rules(config_dir / "rules")
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": ["rules/*.yml"],
+        "alerting": {
+            "alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]
+        },
+        "scrape_configs": [
+            {
+                "job_name": "rlm-exporter",
+                "static_configs": [
+                    {"targets": [f"127.0.0.1:{exporter_port}"], "labels": {"host": "bench"}}
+                ],
+            }
+        ],
+    }
+    (config_dir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    log = open(tmp / "daemons.log", "wb")  # noqa: SIM115 (closed with the daemons)
+    daemons = [
+        subprocess.Popen(
+            [ALERTMANAGER, f"--config.file={am_config}", f"--storage.path={tmp / 'am'}",
+             f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
+            stdout=log, stderr=subprocess.STDOUT,
+        ),
+        subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config_dir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        ),
+    ]  # fmt: skip
+    query = f"http://127.0.0.1:{prom_port}/api/v1/query?query=rlm%3Arun_active"
+    figures = []
+    try:
+        wait_until(lambda: json.loads(scrape(query))["data"]["result"], 60, "Prometheus data")
+        for _ in range(cycles):
+            status = run.read_status()
+            fault = time.monotonic()
+            run.write_status(**{**status, "state": "failed", "updated": time.time()})
+            wait_until(lambda f=fault: webhook.alerts("RunFailed", "firing", f), 60, "RunFailed")
+            firing = webhook.alerts("RunFailed", "firing", fault)[0][0] - fault
+            recovery = time.monotonic()
+            run.write_status(**{**status, "updated": time.time()})
+            wait_until(
+                lambda r=recovery: webhook.alerts("RunFailed", "resolved", r), 60, "resolved"
+            )
+            resolved = webhook.alerts("RunFailed", "resolved", recovery)[0][0] - recovery
+            figures.append((firing, resolved))
+    finally:
+        for daemon in daemons:
+            daemon.terminate()
+            daemon.wait(timeout=20)
+        log.close()
+        webhook.server.shutdown()
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scrapes", type=int, default=1000)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--alert-cycles", type=int, default=3, help="fault/recovery cycles timed at the webhook"
+    )
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    alerts: list[tuple] = []
     with tempfile.TemporaryDirectory(prefix="rlm-bench-exporter-") as tmp:
         tmp_path = Path(tmp)
         fake_tools(tmp_path / "bin")
@@ -121,6 +220,10 @@ def main() -> int:
             time.sleep(args.idle_seconds)
             idle_cpu = cpu_seconds(process) - cpu_before
             idle_wall = time.monotonic() - wall_before
+            load_after = os.getloadavg()[0]
+            if args.alert_cycles and all(shutil.which(b) for b in (PROMETHEUS, ALERTMANAGER)):
+                run = RunDir(tmp_path / "runs" / "run-0")
+                alerts = alert_latency(tmp_path, port, run, args.alert_cycles)
         finally:
             exporter.terminate()
             exporter.wait(timeout=10)
@@ -128,6 +231,9 @@ def main() -> int:
     latencies.sort()
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
     background_pct = 100 * idle_cpu / idle_wall
+    print(
+        f"load average (1 min)       {load_before:.1f} before, {load_after:.1f} after the scrapes"
+    )
     print(f"series per scrape          {series} (8 GPUs, 3 runs x 3 checkpoints, processes, net)")
     print(f"scrapes                    {len(latencies)} back to back, one client")
     print(f"scrape latency p50         {statistics.median(latencies):.2f} ms")
@@ -145,6 +251,19 @@ def main() -> int:
         f"≈{background_pct * REFRESH_INTERVAL_S / 10 + 100 * busy_cpu / len(latencies) / 15:.2f} "
         "% of one core"
     )
+    if alerts:
+        firing = sorted(a for a, _ in alerts)
+        resolved = sorted(b for _, b in alerts)
+        print(
+            f"alert latency (RunFailed)  fault -> webhook firing {statistics.median(firing):.1f} s "
+            f"median, {firing[-1]:.1f} s max; recovery -> resolved "
+            f"{statistics.median(resolved):.1f} s median, {resolved[-1]:.1f} s max "
+            f"({len(alerts)} cycles; 1 s refresh, scrape, evaluation, group_wait; no `for`)"
+        )
+    elif args.alert_cycles:
+        print(
+            "alert latency              skipped: needs /usr/bin/prometheus and prometheus-alertmanager"
+        )
     return 0
 
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -224,6 +224,7 @@ class RunSnapshot:
     checkpoint_failures: int
     checkpoint_step: int | None
     checkpoint_mtime: float | None
+    exit_codes: list[int] = field(default_factory=list)  # of the newest attempt
 
 
 def find_run_dirs(run_roots: Iterable[Path], run_dirs: Iterable[Path]) -> list[Path]:
@@ -244,15 +245,16 @@ def find_run_dirs(run_roots: Iterable[Path], run_dirs: Iterable[Path]) -> list[P
 def read_run(path: Path) -> RunSnapshot:
     run = RunDir(path)
     status = run.read_status()
-    events = run.read_events()
+    events = run.events()
     checkpoint = run.latest_valid_checkpoint()
     return RunSnapshot(
         name=run.name,
         status=status,
         restarts=run.restarts(),
-        checkpoint_failures=sum(1 for e in events if e.get("event") == "checkpoint_failed"),
+        checkpoint_failures=sum(1 for e in events if e.kind == "checkpoint_failed"),
         checkpoint_step=checkpoint.step if checkpoint else None,
         checkpoint_mtime=checkpoint.mtime if checkpoint else None,
+        exit_codes=run.attempt_exit_codes(events),
     )
 
 
@@ -401,10 +403,13 @@ class RlmCollector(Collector):
         errors: ErrorCounts,
         kernel_log: Source | None = None,
         expected_gpus: int | None = None,
+        processes: Source | None = None,
     ) -> None:
         self.gpu_source = gpu_source
         self.errors = errors
-        self.sources = {s.name: s for s in (gpu_state, kernel_log, runs, filesystem) if s}
+        sources = (gpu_state, kernel_log, runs, filesystem, processes)
+        self.sources = {s.name: s for s in sources if s}
+        self.processes = processes
         self.gpu_state = gpu_state
         self.kernel_log = kernel_log
         self.expected_gpus = expected_gpus
@@ -531,6 +536,16 @@ class RlmCollector(Collector):
             "checkpoint_interval_steps": GaugeMetricFamily(
                 "rlm_run_checkpoint_interval_steps", "Steps between checkpoints", labels=["run"]
             ),
+            "step_time": GaugeMetricFamily(
+                "rlm_run_step_duration_seconds",
+                "Mean step time since the previous status.json",
+                labels=["run"],
+            ),
+            "comm_time": GaugeMetricFamily(
+                "rlm_run_comm_duration_seconds",
+                "Mean gradient communication time per step (rank 0), same window",
+                labels=["run"],
+            ),
         }
         restarts = CounterMetricFamily(
             "rlm_run_restarts", "Trainer starts after the first one", labels=["run"]
@@ -546,8 +561,17 @@ class RlmCollector(Collector):
             "Age of the newest verified checkpoint",
             labels=["run"],
         )
+        exit_code = GaugeMetricFamily(
+            "rlm_run_exit_code",
+            "Exit code of the newest attempt: the first non-zero one of the trainer and each "
+            "host's torchrun, else 0; absent while none has exited",
+            labels=["run"],
+        )
         now = time.time()
         for run in snapshots:
+            if run.exit_codes:
+                failing = [code for code in run.exit_codes if code != 0]
+                exit_code.add_metric([run.name], failing[0] if failing else 0)
             current = run.status.get("state")
             for name in RUN_STATES:
                 state.add_metric([run.name, name], 1.0 if current == name else 0.0)
@@ -562,7 +586,7 @@ class RlmCollector(Collector):
                 checkpoint_age.add_metric([run.name], max(0.0, now - run.checkpoint_mtime))
         yield state
         yield from status_gauges.values()
-        yield from (restarts, failures, checkpoint_step, checkpoint_age)
+        yield from (restarts, failures, checkpoint_step, checkpoint_age, exit_code)
 
     def _filesystem_metrics(self) -> Iterator[Metric]:
         if self.filesystem is None:
@@ -588,26 +612,27 @@ class RlmCollector(Collector):
         rss = GaugeMetricFamily(
             "rlm_trainer_resident_memory_bytes", "Trainer worker RSS", labels=["pid"]
         )
-        cpu = CounterMetricFamily(
-            "rlm_trainer_cpu_seconds", "Trainer worker CPU time (user+system)", labels=["pid"]
-        )
         fds = GaugeMetricFamily("rlm_trainer_open_fds", "Trainer worker open files", labels=["pid"])
         count = 0
-        for process in trainer_processes():
+        # The background scan's newest list (a scrape only reads each worker's own /proc files);
+        # without that source, a scan now.
+        if self.processes is None:
+            workers = trainer_processes()
+        else:
+            workers = self.processes.snapshot()[1] or []
+        for process in workers:
             try:
                 with process.oneshot():
                     memory = process.memory_info().rss
-                    times = process.cpu_times()
                     open_fds = process.num_fds()
             except psutil.Error:
                 continue  # exited between listing and reading
             count += 1
             pid = str(process.pid)
             rss.add_metric([pid], memory)
-            cpu.add_metric([pid], times.user + times.system)
             fds.add_metric([pid], open_fds)
         alive.add_metric([], count)
-        yield from (alive, rss, cpu, fds)
+        yield from (alive, rss, fds)
 
     def _network_metrics(self) -> Iterator[Metric]:
         received = CounterMetricFamily(
@@ -661,11 +686,14 @@ def build_collector(args: argparse.Namespace) -> RlmCollector:
     if args.run_root or args.run_dir:
         probe = RunProbe(args.run_root, args.run_dir, errors)
         runs = Source("rundir", probe, args.interval, errors)
+    # Finding the workers reads every process's command line (~8 ms with a few thousand
+    # processes): a background scan, not a cost of every scrape.
+    processes = Source("processes", trainer_processes, args.interval, errors)
     shared = args.shared_dir or (args.run_root[0] if args.run_root else None)
     if shared:
         filesystem = Source("sharedfs", lambda: probe_filesystem(shared), args.interval, errors)
     collector = RlmCollector(
-        source, gpu_state, runs, filesystem, errors, kernel_log, args.expected_gpus
+        source, gpu_state, runs, filesystem, errors, kernel_log, args.expected_gpus, processes
     )
     for name in collector.sources:
         errors.add_source(name)  # every error counter exists from 0, for rate()/increase()

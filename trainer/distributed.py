@@ -8,7 +8,8 @@ the vendor descriptions (clusterspec/vendors: TORCH_DEVICE, DIST_BACKEND) throug
 
 Gradients are averaged by DDP through one communication hook of ours: it casts each bucket to the
 wire dtype (`comm.compression`), divides by the pre-divide factor, all-reduces, divides by
-world/factor and casts back, counting the payload bytes handed to the all-reduce.
+world/factor and casts back, counting the payload bytes handed to the all-reduce and timing it
+(`trainer.commtime`).
 
 A hung peer must end the job, not freeze it: `startup_check` is a barrier with a short timeout
 that names the ranks (and hosts) that did not answer, followed by a timed all-reduce sweep whose
@@ -21,7 +22,7 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from clusterspec import vendors
+from trainer.commtime import CommTimer
 from trainer.config import CommConfig
 from trainer.errors import ConfigError, UserError
 from trainer.rundir import ExitCode
@@ -247,11 +249,13 @@ def _host(env: DistEnv, rank: int) -> str:
 
 @dataclass
 class CommStats:
-    """What this rank handed to all-reduce since the last `take()`."""
+    """What this rank handed to all-reduce since the last `take()`, and how long it took
+    (`timer.take()`)."""
 
     wire_dtype: torch.dtype | None
     predivide_factor: float
     world_size: int
+    timer: CommTimer = field(default_factory=CommTimer)
     payload_bytes: int = 0
     calls: int = 0
 
@@ -276,9 +280,11 @@ def compression_hook(
     stats.payload_bytes += wire.numel() * wire.element_size()
     stats.calls += 1
     post_divide = stats.world_size / stats.predivide_factor
+    started = stats.timer.start()
     future = dist.all_reduce(wire, async_op=True).get_future()
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        stats.timer.end(started)
         reduced = fut.value()[0]
         reduced.div_(post_divide)
         if reduced is not grad:
@@ -303,7 +309,8 @@ def wrap_model(model: nn.Module, env: DistEnv, cfg: CommConfig, find_unused: boo
         find_unused_parameters=find_unused,
         gradient_as_bucket_view=True,
     )
-    stats = CommStats(WIRE_DTYPES[cfg.compression], cfg.predivide_factor, env.world_size)
+    wire = WIRE_DTYPES[cfg.compression]
+    stats = CommStats(wire, cfg.predivide_factor, env.world_size, CommTimer(env.device))
     ddp.register_comm_hook(stats, compression_hook)
     ddp.comm_stats = stats  # the loop reads and resets it once per step
     return ddp

@@ -200,6 +200,7 @@ class StepResult:
     step_time: float
     data_time: float
     comm_bytes: int  # gradient bytes this rank handed to all-reduce in this step
+    comm_time: float  # seconds this rank's gradient collectives ran (trainer.commtime)
     loss_scale: float | None  # fp16 grad scaler's scale after the step
     stop_requested: bool  # some rank received SIGTERM/SIGUSR1
 
@@ -228,6 +229,9 @@ class Reporter:
         self.seq_len = 0
         self.comm_bytes_total = 0
         self.checkpoints: CheckpointManager | None = None
+        # Step and communication seconds since status.json was last written: it carries their
+        # means over the window, which the exporter turns into the communication share.
+        self.window = [0, 0.0, 0.0]  # steps, step seconds, comm seconds
 
     def _status(self, **fields: Any) -> None:
         self.run_dir.write_status(
@@ -309,6 +313,11 @@ class Reporter:
         """One optimizer step: a metrics.jsonl record, the series, a log line and status.json
         every `metrics.log_every` steps, a `nonfinite` event for a dropped update."""
         self.comm_bytes_total += result.comm_bytes
+        self.window = [
+            self.window[0] + 1,
+            self.window[1] + result.step_time,
+            self.window[2] + result.comm_time,
+        ]
         if not result.finite:
             log.warning(
                 "step %d: non-finite loss %s / grad norm %s; update dropped (%d in a row)",
@@ -343,6 +352,7 @@ class Reporter:
             "backprop_depth": result.backprop_depth,
             "comm_bytes": result.comm_bytes,
             "comm_wire_bytes": self.comm.ring_wire_bytes(result.comm_bytes) if self.comm else 0.0,
+            "comm_time": result.comm_time,
             "tflops": per_device / 1e12,
             "mfu": per_device / self.peak if self.peak else 0.0,
             "peak_memory_bytes": peak_memory_bytes(self.env.device),
@@ -364,11 +374,15 @@ class Reporter:
         )
         if result.step % self.cfg.metrics.log_every == 0 or result.step == self.cfg.train.steps:
             log.info("%s", log_line(record | numbers, self.cfg.train.steps))
+            steps, step_time, comm_time = self.window
+            self.window = [0, 0.0, 0.0]
             self._status(
                 state="running",
                 step=result.step,
                 loss=result.loss if math.isfinite(result.loss) else None,
                 tokens_per_s=record["tokens_per_s"],
+                step_time=step_time / steps,
+                comm_time=comm_time / steps,
             )
 
     def checkpoint_saved(self, step: int) -> None:

@@ -10,6 +10,10 @@
            across the `replicas` groups: a 2-D DeviceMesh ("replicate", "shard"); gradients are
            reduce-scattered within the group, then all-reduced across groups
 
+Communication time (`trainer.commtime`) is the time of the all-gathers (forward and backward) and
+reduce-scatters; HSDP's all-reduce across the replicas is counted in bytes but not timed (FSDP2
+offers a hook after it, none around it).
+
 Sharding units are the blocks of the prelude, of the looped core and of the coda, plus the root
 (embedding, adapter, ln_f). The core blocks run r times per forward: they keep their gathered
 weights from their first call until backward (`reshard_after_forward=False`) instead of
@@ -54,6 +58,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from trainer.commtime import CommTimer
 from trainer.config import Config
 from trainer.distributed import WIRE_DTYPES, CommStats, DistEnv
 from trainer.errors import ConfigError
@@ -111,7 +116,8 @@ class CountingAllGather(DefaultAllGather):
 
     def __call__(self, output_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.stats.count(output_tensor.numel() * output_tensor.element_size())
-        return super().__call__(output_tensor, *args, **kwargs)
+        call = super().__call__
+        return timed(self.stats, lambda: call(output_tensor, *args, **kwargs), kwargs)
 
 
 class CountingReduceScatter(DefaultReduceScatter):
@@ -122,7 +128,21 @@ class CountingReduceScatter(DefaultReduceScatter):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
         self.stats.count(input_tensor.numel() * input_tensor.element_size())
-        return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+        call = super().__call__
+        return timed(self.stats, lambda: call(output_tensor, input_tensor, *args, **kwargs), kwargs)
+
+
+def timed(stats: CommStats, collective: Any, kwargs: dict[str, Any]) -> Any:
+    """Run one of FSDP's collectives between two marks of `stats.timer`. FSDP calls them on its
+    all-gather / reduce-scatter stream, so on a GPU the marks are events on that stream; an async
+    one (gloo all-gathers) ends when its future completes."""
+    started = stats.timer.start()
+    work = collective()
+    if kwargs.get("async_op") and work is not None:
+        work.get_future().then(lambda _: stats.timer.end(started))
+    else:
+        stats.timer.end(started)
+    return work
 
 
 class ShardedCommStats(CommStats):
@@ -158,7 +178,7 @@ def shard_model(model: RecurrentLM, cfg: Config, env: DistEnv) -> ShardedCommSta
     for block in model.core:
         fully_shard(block, reshard_after_forward=False, **common)
     fully_shard(model, **common)
-    stats = ShardedCommStats(wire, 1.0, env.world_size)
+    stats = ShardedCommStats(wire, 1.0, env.world_size, CommTimer(env.device))
     replicated = cfg.parallel.strategy == "hsdp" and mesh.size(0) > 1
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -11,12 +11,15 @@ Layout::
       config.yaml                       effective trainer config, written once when the run is made
       trainer.lock                      held (flock) by the trainer that owns the run; holder inside
       metrics.jsonl                     one JSON object per logged step (rank 0 appends)
-      status.json                       newest progress snapshot, replaced atomically
+      status.json                       newest progress snapshot, replaced atomically (step, loss,
+                                        step_time/comm_time: mean seconds of a step and of its
+                                        gradient communication since the last snapshot)
       events.jsonl                      lifecycle events (launched, start, checkpoint, exit, stop_*)
       checkpoints/step-00001000/        one directory per checkpoint; manifest.json written last
       hosts/<host>/launch.json          what rlmctl started on that host (pid, pgid, command)
       hosts/<host>/launcher.log         stdout+stderr of that host's torchrun
       hosts/<host>/exit.json            {"exit_code", "time"} of that host's torchrun when it ended
+                                        (`attempt_exit_codes`: rlm-exporter's rlm_run_exit_code)
 
 The run's state of record is the fold of events.jsonl through `TRANSITIONS` (`RunDir.state`):
 append-only lines that the trainer and rlmctl write without racing, and a transition the table
@@ -156,6 +159,8 @@ class Status:
     tokens_per_s: float | None = None
     updated: float | None = None
     exit_code: int | None = None
+    step_time: float | None = None  # mean seconds per step since the previous snapshot
+    comm_time: float | None = None  # of which this rank's gradient collectives ran (rank 0)
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> Status:
@@ -176,6 +181,8 @@ class Status:
             tokens_per_s=number("tokens_per_s", float),
             updated=number("updated", float),
             exit_code=number("exit_code", int),
+            step_time=number("step_time", float),
+            comm_time=number("comm_time", float),
         )
 
 
@@ -531,6 +538,29 @@ class RunDir:
         `rlmctl resume`, Slurm requeues), counted from `start` events."""
         starts = sum(1 for event in read_jsonl(self.events_path) if event.get("event") == "start")
         return max(0, starts - 1)
+
+    def attempt_exit_codes(self, events: list[Event] | None = None) -> list[int]:
+        """Exit codes recorded for the newest attempt (since the last `launched`/`start` event):
+        the trainer's own `exit` events, then each host's torchrun (hosts/*/exit.json, written by
+        rlmctl's launcher with whole seconds, hence the second of slack). Empty while it runs."""
+        events = self.events() if events is None else events
+        since = max((e.time for e in events if e.kind in ("launched", "start")), default=0.0)
+        codes = [
+            code
+            for e in events
+            if e.kind == "exit"
+            and e.time >= since
+            and isinstance(code := e.fields.get("exit_code"), int)
+        ]
+        hosts = self.path / "hosts"
+        for path in sorted(hosts.glob("*/exit.json")) if hosts.is_dir() else []:
+            record = read_json(path)
+            if not isinstance(record, dict) or not isinstance(record.get("exit_code"), int):
+                continue
+            when = record.get("time")
+            if isinstance(when, int | float) and when >= since - 1:
+                codes.append(record["exit_code"])
+        return codes
 
     # checkpoints --------------------------------------------------------------------------------
     def checkpoint_path(self, step: int) -> Path:

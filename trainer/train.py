@@ -471,6 +471,7 @@ def train_step(
     run.cursor.advance(tcfg.global_batch)
     run.health.record(finite)
     distributed.synchronize(env.device)
+    comm_time = run.comm.timer.take() if run.comm else 0.0
     return StepResult(
         step=run.progress.step,
         loss=loss_value,
@@ -484,6 +485,7 @@ def train_step(
         step_time=time.perf_counter() - step_start,
         data_time=data_time,
         comm_bytes=run.comm.take() if run.comm else 0,
+        comm_time=comm_time,
         loss_scale=scaler.get_scale() if scaler else None,
         stop_requested=bool(stop_votes),
     )

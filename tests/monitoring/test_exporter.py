@@ -23,7 +23,7 @@ from tests.monitoring.conftest import (
     wait_for,
 )
 from tests.monitoring.test_config import dashboard_queries, rules
-from trainer.rundir import RunDir, write_manifest
+from trainer.rundir import RunDir, write_json_atomic, write_manifest
 
 GPU_SERIES = "rlm_gpu_temperature_celsius"
 
@@ -55,7 +55,15 @@ def make_run(root: Path, name: str = "run-a", state: str = "running", step: int 
     broken = run.checkpoint_path(110)  # a save interrupted before its manifest
     broken.mkdir()
     (broken / "model.safetensors").write_bytes(b"half")
-    run.write_status(state=state, step=step, loss=3.2, checkpoint_interval_steps=50, max_steps=1000)
+    run.write_status(
+        state=state,
+        step=step,
+        loss=3.2,
+        checkpoint_interval_steps=50,
+        max_steps=1000,
+        step_time=0.8,
+        comm_time=0.2,
+    )
     return run
 
 
@@ -66,6 +74,7 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
     install_tool(tool_bin, "dmesg", printing("dmesg-xid.txt"))
     runs = tmp_path / "runs"
     make_run(runs)
+    make_run(runs, "run-done", state="done").append_event("exit", exit_code=0, state="done")
     (runs / "not-a-run").mkdir()
     trainer = subprocess.Popen(  # looks like a trainer worker to the exporter; sleeps only
         [sys.executable, "-c", "import time; time.sleep(60)", "-m", "trainer", "train"]
@@ -101,6 +110,8 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         assert value(samples, "rlm_run_checkpoint_step", run="run-a") == 100  # 110 is partial
         assert 0 <= value(samples, "rlm_run_checkpoint_age_seconds", run="run-a") < 60
         assert value(samples, "rlm_run_checkpoint_interval_steps", run="run-a") == 50
+        assert value(samples, "rlm_run_step_duration_seconds", run="run-a") == 0.8
+        assert value(samples, "rlm_run_comm_duration_seconds", run="run-a") == 0.2
         assert (
             abs(value(samples, "rlm_run_last_step_timestamp_seconds", run="run-a") - time.time())
             < 60
@@ -125,6 +136,17 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         if not any(exporter.link_speed_bytes(device) for device in os.listdir("/sys/class/net")):
             used.discard("rlm_network_speed_bytes")  # no interface here reports a link speed
         assert used and used <= names(samples)
+        # ... and every series it exports feeds a rule or a panel, except these documented
+        # identity/diagnostic series (docs/monitoring.md, Metrics) that an operator reads by hand.
+        read_by_hand = {
+            "rlm_exporter_gpu_source_info",  # which vendor tool this node's exporter uses
+            "rlm_gpu_info",  # serial/UUID for the RMA (runbooks: GpuXidCritical, GpuMissing)
+            "rlm_run_checkpoint_step",  # which step a resume starts from
+            "rlm_shared_fs_mounted",  # rlmctl health's shared_fs check judges the mount
+            "rlm_trainer_open_fds",  # a file-descriptor leak, read when EMFILE shows up
+        }
+        exported = {n.removesuffix("_total") for n in names(samples) if n.startswith("rlm_")}
+        assert exported - {n.removesuffix("_total") for n in used} == read_by_hand
         trainer.kill()
         trainer.wait()
         wait_for(
@@ -301,6 +323,37 @@ def test_unreadable_run_dir_is_reported_and_others_still_exported(tmp_path, run_
     assert value(samples, "rlm_run_step", run="good") == 120
     assert value(samples, "rlm_run_step", run="explicit") == 7
     assert value(samples, "rlm_run_step", run="bad") is None
+
+
+def write_exit_record(run: RunDir, host: str, code: int, when: float) -> None:
+    run.host_dir(host).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run.exit_record_path(host), {"exit_code": code, "time": int(when)})
+
+
+def test_exit_code_of_the_newest_attempt(tmp_path, run_exporter) -> None:
+    runs = tmp_path / "runs"
+    # A worker SIGKILLed (OOM killer): status.json still says running, its torchrun exited 137
+    # (hosts/<host>/exit.json as rlmctl's launcher writes it: whole seconds).
+    killed = make_run(runs, "killed")
+    write_exit_record(killed, "node1", 0, time.time())
+    write_exit_record(killed, "node2", 137, time.time())
+    # The failure belongs to the attempt before the newest start: nothing has exited since.
+    restarted = make_run(runs, "restarted")
+    write_exit_record(restarted, "node1", 1, 1000)
+    # The trainer itself said 3 (data error) in its exit event.
+    bad_data = make_run(runs, "bad-data", state="failed")
+    bad_data.append_event("exit", exit_code=3, state="failed", step=120)
+    clean = make_run(runs, "clean", state="stopped")
+    clean.append_event("exit", exit_code=0, state="stopped", step=120)
+    port = run_exporter("--run-root", str(runs), "--interval", "0.5", "--gpu-source", "none")
+    samples = wait_for(
+        lambda: (s := scrape(port)) and value(s, "rlm_run_step", run="clean") and s,
+        what="the runs",
+    )
+    assert value(samples, "rlm_run_exit_code", run="killed") == 137
+    assert value(samples, "rlm_run_exit_code", run="restarted") is None
+    assert value(samples, "rlm_run_exit_code", run="bad-data") == 3
+    assert value(samples, "rlm_run_exit_code", run="clean") == 0
 
 
 def test_missing_run_root_keeps_serving(tmp_path, run_exporter) -> None:

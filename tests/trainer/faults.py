@@ -14,6 +14,7 @@ import os
 import resource
 import signal
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,6 +54,10 @@ class Faults(TrainHooks):
     # Each rank records every file under run_dir/checkpoints it opens read-only during setup
     # (the resume) and writes them to run_dir/opens-rank<r>.json before its first step.
     checkpoint_reads: bool = False
+    # This rank sleeps this long between each micro-batch's forward and backward, like a peer on a
+    # slow host: the other ranks then wait for it inside the gradient collectives.
+    slow_rank: int = -1
+    slow_s: float = 0.0
 
     def before_startup_check(self, env: DistEnv) -> None:
         self.rss_before_model = resident_bytes()  # the model is built right after this check
@@ -66,6 +71,7 @@ class Faults(TrainHooks):
     def on_batch(
         self, run_dir: Path, rank: int, step: int, positions: list[int], indices: list[int]
     ) -> None:
+        self.rank = rank
         if self.ledger:
             record = {"step": step, "positions": positions, "indices": indices}
             append_jsonl(run_dir / f"ledger-rank{rank}.jsonl", record)
@@ -104,6 +110,8 @@ class Faults(TrainHooks):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def loss(self, loss: torch.Tensor, cursor: int, global_batch: int) -> torch.Tensor:
+        if getattr(self, "rank", None) == self.slow_rank:
+            time.sleep(self.slow_s)
         step = cursor // global_batch + 1
         if step in self.overflow_steps:
             return loss * 1e30

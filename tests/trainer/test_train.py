@@ -27,8 +27,8 @@ from trainer.train import train
 
 TRAIN_FIELDS = {
     "kind", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time",
-    "data_time", "recurrence", "backprop_depth", "comm_bytes", "comm_wire_bytes", "tflops",
-    "mfu", "peak_memory_bytes", "loss_scale", "time",
+    "data_time", "recurrence", "backprop_depth", "comm_bytes", "comm_wire_bytes", "comm_time",
+    "tflops", "mfu", "peak_memory_bytes", "loss_scale", "time",
 }  # fmt: skip
 
 
