@@ -11,13 +11,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from rlmctl import render
 from rlmctl.errors import RlmctlError, RunNotFound
-from rlmctl.records import Launched
+
+if TYPE_CHECKING:
+    from rlmctl.scheduler import Scheduler
 
 app = typer.Typer(
     name="rlmctl",
@@ -62,23 +64,15 @@ class Session:
 
         return open_registry(self.hosts(), readonly=readonly)
 
+    def scheduler(self) -> Scheduler:
+        """What starts, signals and follows runs: rlm_scheduler of the selected hosts."""
+        from rlmctl.scheduler import for_site
+
+        return for_site(self)
+
 
 def _session(ctx: typer.Context) -> Session:
     return ctx.obj
-
-
-def _not_under_slurm(session: Session, command: str) -> None:
-    if _slurm(session):
-        raise RlmctlError(
-            f"rlmctl {command} does not drive Slurm jobs yet (rlm_scheduler: slurm); "
-            "follow the job with `rlmctl status` and resubmit with `rlmctl launch`"
-        )
-
-
-def _slurm(session: Session) -> bool:
-    """rlm_scheduler is slurm for the selected hosts: Slurm starts, signals and accounts jobs."""
-    hosts = session.hosts()
-    return bool(hosts) and hosts[0].scheduler == "slurm"
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -141,10 +135,7 @@ def health(
     hosts = session.hosts()
     with session.fleet(hosts) as fleet:
         report = health_checks.run_checks(fleet)
-        if _slurm(session):  # Slurm's view of each node: drained (with reason) or down
-            from rlmctl import scheduler_slurm
-
-            scheduler_slurm.node_checks(fleet, session.inventory(), report)
+        session.scheduler().node_checks(fleet, report)  # e.g. Slurm's drain/down per node
         deep_result = None
         if deep:
             from rlmctl import deep as deep_checks
@@ -204,53 +195,26 @@ def launch(
 ) -> None:
     """Gate, create the run directory, and start torchrun on every host (detached), or submit
     the batch job to Slurm (rlm_scheduler: slurm)."""
-    from rlmctl import launch as launching
+    from rlmctl.scheduler import LaunchRequest
 
     session = _session(ctx)
-    hosts = session.hosts()
     for text in overrides or []:
         if "=" not in text:
             raise RlmctlError(f"override {text!r} must look like key=value, e.g. train.steps=500")
-    if hosts and hosts[0].scheduler == "slurm":
-        from rlmctl import scheduler_slurm
-
-        with session.fleet([]) as fleet:
-            run_name, run, job_id = scheduler_slurm.launch(
-                fleet,
-                session.inventory(),
-                hosts,
-                config,
-                name,
-                nodes,
-                overrides or [],
-                partition,
-                time_limit,
-            )
-        submitted = Launched(run_name, str(run.path), [], "", job_id=job_id)
-        if json_output:
-            render.emit_json(submitted)
-        else:
-            render.line(f"submitted {run_name} as Slurm job {job_id}; `rlmctl status {run_name}`")
-        return
-    with session.fleet(hosts) as fleet:
-        run_name, run, started = launching.launch(
-            fleet,
-            session.inventory(),
-            hosts,
-            config,
-            name,
-            nodes,
-            force,
-            overrides or [],
-            render.say(),
-        )
-    launched = Launched(run_name, str(run.path), started.hosts, started.rdzv_endpoint)
+    request = LaunchRequest(config, overrides or [], name, nodes, force, partition, time_limit)
+    launched = session.scheduler().launch(request, render.say())
     if json_output:
         render.emit_json(launched)
+    elif launched.job_id:
+        render.line(
+            f"submitted {launched.run} as Slurm job {launched.job_id}; "
+            f"`rlmctl status {launched.run}`"
+        )
     else:
         render.line(
-            f"launched {run_name} on {len(started.hosts)} host(s); follow it with "
-            f"`rlmctl status {run_name}`, `rlmctl logs {run_name} -f` or `rlmctl watch {run_name}`"
+            f"launched {launched.run} on {len(launched.hosts)} host(s); follow it with "
+            f"`rlmctl status {launched.run}`, `rlmctl logs {launched.run} -f` or "
+            f"`rlmctl watch {launched.run}`"
         )
 
 
@@ -258,16 +222,7 @@ def launch(
 def status(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
     """State of record, processes per host and progress; exit 1 when the run failed or its
     processes disagree with its state. Reads only."""
-    from rlmctl import launch as launching
-
-    session = _session(ctx)
-    with session.registry(readonly=True) as registry, session.fleet([]) as fleet:
-        if _slurm(session):
-            from rlmctl import scheduler_slurm
-
-            info = scheduler_slurm.status(fleet, session.inventory(), registry, run)
-        else:
-            info = launching.status(fleet, registry, session.inventory(), run)
+    info = _session(ctx).scheduler().status(run)
     if json_output:
         render.emit_json(info)
     else:
@@ -305,24 +260,11 @@ def stop(
 ) -> None:
     """Stop a run on every host; verifies that none of its processes remain. A run that has
     already ended is left as it is."""
-    from rlmctl import launch as launching
-
-    session = _session(ctx)
-    if _slurm(session):
-        from rlmctl import scheduler_slurm
-
-        with session.registry() as registry, session.fleet([]) as fleet:
-            job = scheduler_slurm.stop(
-                fleet, session.inventory(), scheduler_slurm.run_dir_of(registry, run), timeout
-            )
-        render.line(f"run {run}: Slurm job {job.job_id} {job.state}")
-        raise typer.Exit(0 if job.ended else 1)
-    with session.registry() as registry:
-        _, hosts = launching.run_hosts(session.inventory(), registry, run)
-        with session.fleet(hosts) as fleet:
-            outcome = launching.stop(fleet, registry, run, timeout)
+    outcome = _session(ctx).scheduler().stop(run, timeout)
     if json_output:
         render.emit_json(outcome)
+    elif outcome.slurm:
+        render.line(f"run {run}: Slurm job {outcome.slurm['job_id']} {outcome.slurm['state']}")
     else:
         render.stopped(outcome)
     raise typer.Exit(0 if outcome.ok else 1)
@@ -336,32 +278,15 @@ def resume(
     force: Annotated[bool, typer.Option(help="Keep hosts that fail the gate.")] = False,
 ) -> None:
     """Relaunch a stopped or failed run from its newest verified checkpoint."""
-    from rlmctl import supervise
-
     session = _session(ctx)
     excluded = set()
     if session.exclude:
         excluded = {h.name for h in session.inventory().select(session.exclude)}
-    if _slurm(session):
-        from rlmctl import scheduler_slurm
-
-        with session.registry() as registry, session.fleet([]) as fleet:
-            job_id = scheduler_slurm.resume(
-                fleet,
-                session.inventory(),
-                session.hosts(),
-                registry,
-                run,
-                sorted(excluded),
-                render.say(),
-            )
-        render.line(f"resubmitted {run} as Slurm job {job_id}; `rlmctl status {run}`")
-        return
-    with session.registry() as registry, session.fleet([]) as fleet:
-        started = supervise.resume(
-            fleet, session.inventory(), registry, run, excluded, render.say(), force
-        )
-    render.line(f"resumed {run} on {len(started.hosts)} host(s): {', '.join(started.hosts)}")
+    resumed = session.scheduler().resume(run, excluded, force, render.say())
+    if resumed.job_id:
+        render.line(f"resubmitted {run} as Slurm job {resumed.job_id}; `rlmctl status {run}`")
+    else:
+        render.line(f"resumed {run} on {len(resumed.hosts)} host(s): {', '.join(resumed.hosts)}")
 
 
 @app.command()
@@ -380,14 +305,10 @@ def watch(
     """Supervise a run: fail fast on a dead process, lost host or hang; restart when it can help."""
     from rlmctl import supervise
 
-    session = _session(ctx)
-    _not_under_slurm(session, "watch")
     policy = supervise.WatchPolicy(
         poll_s=poll, stall_s=stall, max_restarts=restarts, backoff_s=backoff
     )
-    with session.registry() as registry, session.fleet([]) as fleet:
-        code = supervise.watch(fleet, session.inventory(), registry, run, policy, render.say())
-    raise typer.Exit(code)
+    raise typer.Exit(_session(ctx).scheduler().watch(run, policy, render.say()))
 
 
 # registry views -----------------------------------------------------------------------------------

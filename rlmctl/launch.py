@@ -18,24 +18,26 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlmctl import health
 from rlmctl.errors import RlmctlError
+from rlmctl.health import Report
 from rlmctl.inventory import Host, Inventory
 from rlmctl.records import (
     CheckpointRow,
     HostProcesses,
     HostStop,
+    Launched,
     RunStatus,
     RunSummary,
     StopResult,
 )
 from rlmctl.registry import Registry, registry_path
 from rlmctl.remote import Fleet, Result, python_command
+from rlmctl.scheduler import LaunchRequest, Say, Site
 from trainer.rundir import (
     ExitCode,
     RunDir,
@@ -44,7 +46,8 @@ from trainer.rundir import (
     write_json_atomic,
 )
 
-Say = Callable[[str], None]
+if TYPE_CHECKING:
+    from rlmctl.supervise import WatchPolicy
 
 
 class GateRefused(RlmctlError):
@@ -502,3 +505,57 @@ def stop(
     else:
         run.append_event("stop_failed", hosts=[o.host for o in outcome if not o.ok])
     return StopResult(name, run.state(), outcome)
+
+
+# the scheduler interface --------------------------------------------------------------------------
+class SshScheduler:
+    """rlmctl.scheduler.Scheduler for `rlm_scheduler: ssh`: rlmctl itself gates the hosts,
+    starts torchrun on each over SSH, tracks and signals its processes."""
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+
+    def launch(self, request: LaunchRequest, say: Say) -> Launched:
+        site = self.site
+        hosts = site.hosts()
+        with site.fleet(hosts) as fleet:
+            name, run, started = launch(
+                fleet,
+                site.inventory(),
+                hosts,
+                request.config,
+                request.name,
+                request.nodes,
+                request.force,
+                request.overrides,
+                say,
+            )
+        return Launched(name, str(run.path), started.hosts, started.rdzv_endpoint)
+
+    def status(self, run: str) -> RunStatus:
+        with self.site.registry(readonly=True) as registry, self.site.fleet([]) as fleet:
+            return status(fleet, registry, self.site.inventory(), run)
+
+    def stop(self, run: str, timeout: float) -> StopResult:
+        with self.site.registry() as registry:
+            _, hosts = run_hosts(self.site.inventory(), registry, run)
+            with self.site.fleet(hosts) as fleet:
+                return stop(fleet, registry, run, timeout)
+
+    def resume(self, run: str, exclude: set[str], force: bool, say: Say) -> Launched:
+        from rlmctl import supervise
+
+        site = self.site
+        with site.registry() as registry, site.fleet([]) as fleet:
+            started = supervise.resume(fleet, site.inventory(), registry, run, exclude, say, force)
+            run_dir = registry.run(run)["run_dir"]
+        return Launched(run, run_dir, started.hosts, started.rdzv_endpoint, kind="resume")
+
+    def watch(self, run: str, policy: WatchPolicy, say: Say) -> int:
+        from rlmctl import supervise
+
+        with self.site.registry() as registry, self.site.fleet([]) as fleet:
+            return supervise.watch(fleet, self.site.inventory(), registry, run, policy, say)
+
+    def node_checks(self, fleet: Fleet, report: Report) -> None:
+        """The host checks are the whole story over SSH: no scheduler keeps state of a node."""

@@ -95,6 +95,7 @@ class StopResult:
     state: RunState | None  # after the stop
     hosts: list[HostStop]
     skipped: str | None = None  # why nothing was signalled (the run had already ended)
+    slurm: dict[str, str] | None = None  # rlm_scheduler slurm: the job after the stop
 
     @property
     def ok(self) -> bool:

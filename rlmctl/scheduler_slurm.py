@@ -14,21 +14,22 @@ import base64
 import contextlib
 import shlex
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlmctl import slurm as batch_script
 from rlmctl.errors import RlmctlError
 from rlmctl.health import CRIT, OK, UNKNOWN, WARN, Check, Report
 from rlmctl.inventory import Host, Inventory
-from rlmctl.records import RunStatus
+from rlmctl.records import HostStop, Launched, RunStatus, StopResult
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet, Result
+from rlmctl.scheduler import LaunchRequest, Say, Site
 from trainer.rundir import RunDir, read_json, write_json_atomic
 
-Say = Callable[[str], None]
+if TYPE_CHECKING:
+    from rlmctl.supervise import WatchPolicy
 
 SUBMIT_GROUP = "mgmt"
 JOB_FILE = "slurm.json"  # in the run directory: the job id(s) of the run
@@ -354,13 +355,7 @@ def status(fleet: Fleet, inventory: Inventory, registry: Registry, name: str) ->
         hosts=[],
         problem=problem,
         **progress_fields(run),
-        slurm={
-            "job_id": current.job_id,
-            "state": current.state,
-            "exit_code": current.exit_code,
-            "nodes": current.nodes,
-            "reason": current.reason,
-        },
+        slurm=_job_fields(current),
     )
 
 
@@ -396,3 +391,72 @@ def node_checks(fleet: Fleet, inventory: Inventory, report: Report) -> None:
             host.checks.append(Check("slurm", WARN, detail, fix))
         else:
             host.checks.append(Check("slurm", OK, detail))
+
+
+# the scheduler interface --------------------------------------------------------------------------
+class SlurmScheduler:
+    """rlmctl.scheduler.Scheduler for `rlm_scheduler: slurm`: every Slurm command runs on the
+    submit host; Slurm allocates, starts, signals and accounts the job."""
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+
+    def launch(self, request: LaunchRequest, say: Say) -> Launched:
+        site = self.site
+        with site.fleet([]) as fleet:
+            name, run, job_id = launch(
+                fleet,
+                site.inventory(),
+                site.hosts(),
+                request.config,
+                request.name,
+                request.nodes,
+                request.overrides,
+                request.partition,
+                request.time_limit,
+            )
+        return Launched(name, str(run.path), [], "", job_id=job_id)
+
+    def status(self, run: str) -> RunStatus:
+        with self.site.registry(readonly=True) as registry, self.site.fleet([]) as fleet:
+            return status(fleet, self.site.inventory(), registry, run)
+
+    def stop(self, run: str, timeout: float) -> StopResult:
+        with self.site.registry() as registry, self.site.fleet([]) as fleet:
+            run_dir = run_dir_of(registry, run)
+            ended = stop(fleet, self.site.inventory(), run_dir, timeout)
+        outcome = HostStop(
+            ended.nodes or "-",
+            ok=ended.ended,
+            error=None if ended.ended else f"Slurm job {ended.job_id} is still {ended.state}",
+        )
+        return StopResult(run, run_dir.state(), [outcome], slurm=_job_fields(ended))
+
+    def resume(self, run: str, exclude: set[str], force: bool, say: Say) -> Launched:
+        """`force` has no meaning here: Slurm's health check decides which nodes take jobs."""
+        site = self.site
+        with site.registry() as registry, site.fleet([]) as fleet:
+            job_id = resume(
+                fleet, site.inventory(), site.hosts(), registry, run, sorted(exclude), say
+            )
+            run_dir = run_dir_of(registry, run)
+        return Launched(run, str(run_dir.path), [], "", kind="resume", job_id=job_id)
+
+    def watch(self, run: str, policy: WatchPolicy, say: Say) -> int:
+        raise RlmctlError(
+            f"rlmctl watch does not drive Slurm jobs yet (rlm_scheduler: slurm); follow {run} "
+            f"with `rlmctl status {run}` and resubmit with `rlmctl resume {run}`"
+        )
+
+    def node_checks(self, fleet: Fleet, report: Report) -> None:
+        node_checks(fleet, self.site.inventory(), report)
+
+
+def _job_fields(current: Job) -> dict[str, str]:
+    return {
+        "job_id": current.job_id,
+        "state": current.state,
+        "exit_code": current.exit_code,
+        "nodes": current.nodes,
+        "reason": current.reason,
+    }

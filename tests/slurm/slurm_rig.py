@@ -25,6 +25,7 @@ SITE_TAGS = "common,trainer_env,slurm"
 # common too, which refreshes a bare node's apt lists, as site.yml --check does.
 SLURM_TAGS = "slurm"
 CHECK_TAGS = "common,slurm"
+HEALTH_INTERVAL_S = 20
 
 
 def remount_cgroups_writable(rig: Rig, host: str) -> None:
@@ -46,6 +47,9 @@ def slurm_inventory(rig: Rig, work: Path) -> dict[str, Any]:
             "slurm_constrain_devices": False,
             "common_packages": ["procps", "iproute2"],
             "common_time_sync": "none",
+            # Short, so that the drain test waits seconds, not Slurm's minutes; longer would
+            # only cost the shared cores less (each round runs rlmctl's host checks per node).
+            "slurm_health_interval": HEALTH_INTERVAL_S,
         }
     )
     return inventory

@@ -20,6 +20,7 @@ from tests.rig import Rig
 from tests.rlmctl.conftest import rlmctl
 from tests.slurm.slurm_rig import (
     CHECK_TAGS,
+    HEALTH_INTERVAL_S,
     NODES,
     SITE_TAGS,
     SLOT,
@@ -143,11 +144,16 @@ CONFIG = str(REPO / "trainer/configs/tiny.yaml")
 TINY = ["data.path=data", "train.global_batch=8", "train.micro_batch=2", "metrics.log_every=1"]
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+def wait_for(
+    condition: Callable[[], Any],
+    timeout: float,
+    what: str,
+    diagnose: Callable[[], str] = lambda: "",
+) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := condition()):
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}\n{diagnose()}")
         time.sleep(1)
     return value
 
@@ -301,6 +307,126 @@ def test_health_shows_slurms_drain_state_with_its_reason(cluster: Cluster) -> No
     assert all(drained[n]["slurm"]["state"] == "OK" for n in ("node2", "node3")), drained
     resumed = health_checks_of(cluster)
     assert resumed["node4"]["slurm"]["state"] == "OK", resumed["node4"]["slurm"]
+
+
+HEALTH_PROGRAM = "/usr/local/sbin/rlm-node-health"
+
+
+def node_state(cluster: Cluster, node: str) -> tuple[str, str]:
+    """The node's state (`idle`, `drained`, ...) and reason, as sinfo says."""
+    out = cluster.rig.exec(
+        "node1", f"sinfo --noheader --Node --nodes={node} --format='%T|%300E'"
+    ).stdout
+    state, _, reason = out.strip().partition("|")
+    return state.strip(), reason.strip()
+
+
+def health_diagnostics(cluster: Cluster, node: str) -> str:
+    """What slurmd and the program say on `node`, for a failure message."""
+    commands = [
+        "scontrol show config | grep -i -e healthcheck -e prolog -e epilog",
+        "grep -i -e health -e prolog -e epilog /var/log/slurm/slurmd.log | tail -n 20",
+        "journalctl -t rlm-node-health --no-pager | tail -n 20",
+        f"{HEALTH_PROGRAM}; echo exit=$?",
+    ]
+    out = [cluster.rig.exec(node, c, check=False, timeout=90) for c in commands]
+    return "\n".join(f"$ {c}\n{r.stdout}{r.stderr}" for c, r in zip(commands, out, strict=True))
+
+
+def test_a_node_failing_the_health_check_drains_with_its_reason_and_resumes(
+    cluster: Cluster,
+) -> None:
+    """Slurm runs rlmctl's host checks on every node (HealthCheckProgram): the shared directory
+    hidden on node4 (a tmpfs over it) drains node4 with the check's reason, the next job runs
+    elsewhere, and once the directory is back the program resumes its own drain."""
+    assert cluster.first.rc == 0
+    rig, shared = cluster.rig, str(cluster.rig.shared_dir)
+    waited = 4 * HEALTH_INTERVAL_S + 30
+    assert rig.exec("node4", f"{HEALTH_PROGRAM} --gate", check=False).returncode == 0
+    rig.exec("node4", f"mount -t tmpfs rlm-hidden {shared}")
+    try:
+        _, reason = wait_for(
+            lambda: (s := node_state(cluster, "node4"))[0].startswith("drain") and s,
+            waited,
+            "node4 drained by its health check",
+            lambda: health_diagnostics(cluster, "node4"),
+        )
+        assert reason.startswith("rlm-health: shared_fs CRIT: "), reason
+        assert "NOT the shared filesystem" in reason, reason
+        gate = rig.exec("node4", f"{HEALTH_PROGRAM} --gate", check=False)
+        assert gate.returncode == 1 and "shared_fs CRIT" in gate.stderr, gate.stderr
+        ran = rig.exec("node1", "srun --nodes=2 hostname", timeout=120).stdout
+        assert sorted(ran.split()) == ["node2", "node3"], ran
+    finally:
+        rig.exec("node4", f"umount {shared}")
+    wait_for(lambda: node_state(cluster, "node4")[0] == "idle", waited, "node4 resumed")
+
+
+def test_the_health_check_leaves_an_operators_drain_alone(cluster: Cluster) -> None:
+    assert cluster.first.rc == 0
+    rig = cluster.rig
+    rig.exec("node3", "scontrol update NodeName=node3 State=DRAIN Reason='operator: cabling'")
+    try:
+        rig.exec("node3", HEALTH_PROGRAM)  # a healthy node: it resumes only its own drains
+        assert node_state(cluster, "node3") == ("drained", "operator: cabling")
+    finally:
+        rig.exec("node1", "scontrol update NodeName=node3 State=RESUME")
+    wait_for(lambda: node_state(cluster, "node3")[0] == "idle", 30, "node3 resumed")
+
+
+def set_health_interval(cluster: Cluster, seconds: int) -> None:
+    """HealthCheckInterval in every node's slurm.conf, applied with `scontrol reconfigure`."""
+    for host in cluster.rig.hosts:
+        cluster.rig.exec(
+            host,
+            f"sed -i 's/^HealthCheckInterval=.*/HealthCheckInterval={seconds}/' "
+            "/etc/slurm/slurm.conf",
+        )
+    cluster.rig.exec("node1", "scontrol reconfigure")
+
+
+def job_state(cluster: Cluster, job: str) -> str:
+    out = cluster.rig.exec(
+        "node1", f"sacct --noheader --parsable2 --allocations --jobs {job} --format=State"
+    ).stdout.strip()
+    return out.split()[0] if out else ""
+
+
+def test_the_prolog_gate_drains_a_failing_node_and_the_job_does_not_run_there(
+    cluster: Cluster,
+) -> None:
+    """With the periodic check off, only the Prolog can see node4's hidden shared directory: the
+    job asked onto node4 drains it with the check's reason and goes back to the queue."""
+    assert cluster.first.rc == 0
+    rig, shared = cluster.rig, str(cluster.rig.shared_dir)
+    set_health_interval(cluster, 0)
+    job = ""
+    try:
+        rig.exec("node4", f"mount -t tmpfs rlm-hidden {shared}")
+        job = rig.exec(
+            "node1", "sbatch --parsable --nodelist=node4 --output=/dev/null --wrap 'hostname'"
+        ).stdout.strip()
+        _, reason = wait_for(
+            lambda: (s := node_state(cluster, "node4"))[0].startswith("drain") and s,
+            120,
+            "node4 drained by the prolog",
+            lambda: health_diagnostics(cluster, "node4"),
+        )
+        assert reason.startswith("rlm-health: shared_fs CRIT: "), reason
+        queued = rig.exec("node1", f"squeue --noheader --jobs {job} --format=%T").stdout.strip()
+        assert queued == "PENDING", queued  # requeued by the failed prolog, not run
+        assert job_state(cluster, job) != "COMPLETED"
+    finally:
+        if job:
+            rig.exec("node1", f"scancel {job}", check=False)
+        rig.exec("node4", f"umount {shared}", check=False)
+        set_health_interval(cluster, HEALTH_INTERVAL_S)
+    # The drain carries the health check's prefix, so the health check resumes it.
+    wait_for(
+        lambda: node_state(cluster, "node4")[0] == "idle",
+        4 * HEALTH_INTERVAL_S + 30,
+        "node4 resumed by its health check",
+    )
 
 
 def compute_nodes_idle(cluster: Cluster) -> bool:
