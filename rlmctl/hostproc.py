@@ -7,6 +7,11 @@ A run's processes on a host are found by their environment: rlmctl starts the la
 RLMCTL_RUN=<run dir> and RLMCTL_HOST=<inventory name>, which every child inherits, including
 torchrun's workers that sit in sessions of their own and would be orphaned by killing torchrun
 alone. The process group recorded at start is a second handle on the same processes.
+
+Where the host runs systemd, this runs as root and the trainer's slice is installed (roles/common:
+rlm-trainer.slice, with the site's MemoryMax, CPUWeight and TasksMax), the launcher starts in a
+transient unit of its own in that slice (`systemd-run --slice --unit`, Delegate=yes so torch and
+its workers may manage sub-cgroups); elsewhere it starts detached in a session of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import base64
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +40,10 @@ printf '{"exit_code": %d, "time": %s}\n' "$rc" "$(date +%s)" > "$RLMCTL_EXIT_FIL
 mv "$RLMCTL_EXIT_FILE.tmp" "$RLMCTL_EXIT_FILE"
 exit "$rc"
 """
+
+
+SLICE = "rlm-trainer.slice"
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def read_proc(pid):
@@ -69,8 +80,8 @@ def run_processes(cfg):
     mine = ancestors()
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in mine:
-            continue
+        if not entry.isdigit() or int(entry) in mine or entry == "1":
+            continue  # never this script's own ancestors, never the init system
         info = read_proc(int(entry))
         if info is None or info[2] == "Z":
             continue
@@ -95,6 +106,29 @@ def signal_all(pids, sig):
             os.kill(pid, sig)
 
 
+def trainer_slice(cfg):
+    """The slice to start the launcher in, or None for the detached start."""
+    name = cfg.get("slice", SLICE)
+    if not os.path.isdir("/run/systemd/system") or os.geteuid() != 0:
+        return None  # PID 1 is not systemd, or no right to add system units
+    if shutil.which("systemd-run") is None or shutil.which("systemctl") is None:
+        return None
+    probe = subprocess.run(
+        ["systemctl", "show", "--property=LoadState", "--value", name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    return name if probe.stdout.strip() == "loaded" else None
+
+
+def unit_name(cfg):
+    """rlm-run-<run>-<host>-<ms>.service: one per start, so a resume never meets the old unit."""
+    run = os.path.basename(cfg["run_dir"].rstrip("/"))
+    name = f"rlm-run-{run}-{cfg['host']}-{int(time.time() * 1000)}"
+    return re.sub(r"[^A-Za-z0-9:_.-]", "_", name)[:240] + ".service"
+
+
 def start(cfg):
     os.makedirs(os.path.dirname(cfg["log"]), exist_ok=True)
     env = dict(os.environ)
@@ -102,9 +136,13 @@ def start(cfg):
     env["RLMCTL_EXIT_FILE"] = cfg["exit_file"]
     with contextlib.suppress(FileNotFoundError):
         os.remove(cfg["exit_file"])
+    launcher = ["/bin/sh", "-c", WRAPPER, "rlmctl-launcher", *cfg["argv"]]
+    slice_name = trainer_slice(cfg)
+    if slice_name:
+        return start_unit(cfg, slice_name, env, launcher)
     with open(cfg["log"], "ab") as log, open(os.devnull, "rb") as devnull:
         process = subprocess.Popen(
-            ["/bin/sh", "-c", WRAPPER, "rlmctl-launcher", *cfg["argv"]],
+            launcher,
             stdin=devnull,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -113,6 +151,36 @@ def start(cfg):
             start_new_session=True,  # own session and process group: survives the SSH session
         )
     return {"pid": process.pid, "pgid": os.getpgid(process.pid), "started": time.time()}
+
+
+def start_unit(cfg, slice_name, env, launcher):
+    """The launcher as a transient service in the trainer's slice; it outlives the SSH session
+    because systemd, not this shell, is its parent. Its environment is passed whole (a unit
+    starts with an empty one), but for names systemd refuses (exported shell functions)."""
+    unit = unit_name(cfg)
+    argv = [
+        "systemd-run",
+        "--quiet",
+        "--collect",  # unloaded once it ends, failed or not
+        "--unit=" + unit,
+        "--slice=" + slice_name,
+        "--property=Delegate=yes",
+        "--property=StandardOutput=append:" + cfg["log"],
+        "--property=StandardError=append:" + cfg["log"],
+        "--working-directory=" + cfg["cwd"],
+    ]
+    argv += [f"--setenv={k}={v}" for k, v in sorted(env.items()) if ENV_NAME.match(k)]
+    subprocess.run([*argv, "--", *launcher], check=True, stdin=subprocess.DEVNULL)
+    shown = subprocess.run(
+        ["systemctl", "show", "--property=MainPID", "--value", unit],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    # No process group: until systemd's child has called setsid() it is still in PID 1's group,
+    # and stop would signal PID 1. The environment alone finds the unit's processes.
+    pid = int(shown.stdout.strip() or 0)
+    return {"pid": pid, "pgid": None, "started": time.time(), "unit": unit, "slice": slice_name}
 
 
 def status(cfg):

@@ -8,6 +8,7 @@ rlm_service's pidfile fallback, Lustre is off (the rig's shared directory stands
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -98,3 +99,29 @@ def site_inventory(rig: Rig, wheelhouse: Path, stack: Path) -> dict[str, Any]:
         }
     )
     return inventory
+
+
+# Run inside a host: connect to ADDRESS PORT; prints "open" or the error's type name
+# (TimeoutError where a firewall drops, ConnectionRefusedError where nothing listens).
+CONNECT = (
+    "import socket, sys\n"
+    "try:\n"
+    "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()\n"
+    "    print('open')\n"
+    "except OSError as error:\n"
+    "    print(type(error).__name__)\n"
+)
+
+
+def connect(rig: Rig, source: str, target: str, port: int) -> str:
+    """From inside host `source`, a TCP connection to target:port: 'open' or the error's name."""
+    return rig.exec(source, ["/usr/bin/python3", "-c", CONNECT, target, str(port)]).stdout.strip()
+
+
+def connect_from_real_host(address: str, port: int) -> str:
+    """From the controller (the real host), the same probe as `connect`."""
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+        return "open"
+    except OSError as error:
+        return type(error).__name__

@@ -16,7 +16,20 @@ from typing import Any
 from tests.ansible.rig_site import BUNDLE_VERSION, VENV, build_site_stack, build_wheelhouse
 from tests.rig import Rig
 
-__all__ = ["BUNDLE_VERSION", "VENV", "build_offline_stacks", "site_inventory"]
+__all__ = ["BUNDLE_VERSION", "SLICE_LIMITS", "VENV", "build_offline_stacks", "site_inventory"]
+
+# The trainer's and the users' slice limits, set as a site would (not the defaults, so that the
+# test sees the inventory's values reach systemd); *_bytes is how systemctl show reports them.
+SLICE_LIMITS: dict[str, Any] = {
+    "rlm_trainer_memory_max": "3G",
+    "rlm_trainer_memory_max_bytes": 3 * 1024**3,
+    "rlm_trainer_cpu_weight": 900,
+    "rlm_trainer_tasks_max": "5000",
+    "rlm_user_memory_max": "1G",
+    "rlm_user_memory_max_bytes": 1024**3,
+    "rlm_user_cpu_weight": 50,
+    "rlm_user_tasks_max": "700",
+}
 
 # torch 2.13.0 exists here only for CPython 3.11 (bookworm's); trixie's 3.13 gets a stack of the
 # exporter's own dependencies, and no torch.
@@ -99,11 +112,14 @@ def site_inventory(rig: Rig, wheelhouse: Path, stacks: dict[str, Path]) -> dict[
                 "rlm_wheelhouse": str(wheelhouse),
                 "trainer_env_torch_source": "site",
                 "firewall_ssh_sources": [rig.layout.subnet],
+                # The controller (the real host's bridge address) reaches Prometheus.
+                "rlm_admin_sources": [f"{rig.layout.bridge_ip}/32"],
                 "rlm_exporter_gpu_source": "none",
                 # vm.*, kernel.* and net.core.* belong to the real host (read-only in nodes): the
                 # file is written and loaded by systemd-sysctl at boot, which applies the
                 # per-namespace keys (net.ipv4.conf.*) and is refused the others.
                 "common_sysctl_apply": False,
+                **{k: v for k, v in SLICE_LIMITS.items() if not k.endswith("_bytes")},
             },
         }
     }

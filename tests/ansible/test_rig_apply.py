@@ -5,7 +5,6 @@ is blocked), the trainer venv, node_exporter, rlm-exporter, Prometheus and Alert
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 
@@ -17,6 +16,8 @@ from tests.ansible.rig_site import (
     VENV,
     build_site_stack,
     build_wheelhouse,
+    connect,
+    connect_from_real_host,
     site_inventory,
 )
 from tests.conftest import rig_unavailable
@@ -25,14 +26,6 @@ from tests.rig import Rig
 pytestmark = pytest.mark.rig
 # make_rig hands out slots 1, 2, ... and the rig CLI tests use 9: this module keeps 8.
 SLOT = 8
-CONNECT = (
-    "import socket, sys\n"
-    "try:\n"
-    "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()\n"
-    "    print('open')\n"
-    "except OSError as error:\n"
-    "    print(type(error).__name__)\n"
-)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +42,6 @@ def applied(
         first = run_playbook("site.yml", inventory, work)
         second = run_playbook("site.yml", inventory, work) if first.rc == 0 else first
         yield rig, first, second
-
-
-def connect(rig: Rig, source: str, target: str, port: int) -> str:
-    return rig.exec(source, ["/usr/bin/python3", "-c", CONNECT, target, str(port)]).stdout.strip()
 
 
 def test_site_applies_cleanly_then_changes_nothing(
@@ -99,14 +88,6 @@ def test_exporter_ports_answer_only_the_mgmt_host(
     node2 = rig.host("node2").ip
     assert connect_from_real_host(node2, 29500) == "TimeoutError"
     assert connect_from_real_host(node2, 22) == "open"
-
-
-def connect_from_real_host(address: str, port: int) -> str:
-    try:
-        socket.create_connection((address, port), timeout=2).close()
-        return "open"
-    except OSError as error:
-        return type(error).__name__
 
 
 def test_trainer_venv_has_torch_and_the_bundle(

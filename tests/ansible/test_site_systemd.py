@@ -3,11 +3,16 @@ and of Debian 13 (tests/rig/booted.py), the example inventory's shape (vendor no
 
 The nodes start with what the first runs on real nodes tripped over: no service user, no chrony, no
 nftables, no python3-packaging, and a cloud image's `50-cloud-init.conf` turning password login on.
-One rig for the module: check mode, first run, rerun, then checks; the reboot test comes last.
+One rig for the module: check mode, first run, rerun, then checks (units, sshd, the sandboxed
+unprivileged rlm-exporter, the trainer and user slices and a trainer start in the slice, who
+reaches Prometheus and Alertmanager); the reboot test comes last.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,8 +20,10 @@ from dataclasses import dataclass
 import paramiko
 import pytest
 
+from rlmctl import hostproc
 from tests.ansible.playbook_run import PlaybookRun, run_playbook, write_inventory
-from tests.ansible.systemd_site import build_offline_stacks, site_inventory
+from tests.ansible.rig_site import connect, connect_from_real_host
+from tests.ansible.systemd_site import SLICE_LIMITS, build_offline_stacks, site_inventory
 from tests.rig import Rig
 from tests.test_rig_systemd import systemd_unavailable
 
@@ -29,6 +36,15 @@ PASSWORD = "Rig-password-1"  # of a throwaway account on throwaway nodes
 CLOUD_INIT_SSHD = "/etc/ssh/sshd_config.d/50-cloud-init.conf"
 EVERY_NODE_UNITS = ("ssh", "nftables", "prometheus-node-exporter", "rlm-exporter")
 MGMT_UNITS = ("prometheus", "prometheus-alertmanager")
+EXPORTER_UID = 9410  # rlm_exporter_uid's default
+SERVICE_UID = 2000  # users_ssh_service_uid's default
+SANDBOX = {
+    "User": "rlm-exporter",
+    "NoNewPrivileges": "yes",
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+}
 
 
 @dataclass
@@ -141,6 +157,154 @@ def test_every_installed_unit_is_enabled_and_active(site: Site) -> None:
     assert_units_up(site.rig)
     for host in site.rig.hosts:
         assert "policy drop" in site.rig.exec(host, "nft list table inet rlm").stdout
+
+
+def scrape(rig: Rig, host_name: str, address: str) -> str:
+    """GET /metrics of rlm-exporter from inside the node; the error's type name when refused."""
+    code = (
+        "import sys, urllib.request\n"
+        "try:\n"
+        "    print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())\n"
+        "except OSError as error:\n"
+        "    print(type(getattr(error, 'reason', error)).__name__)\n"
+    )
+    url = f"http://{address}:9410/metrics"
+    return rig.exec(host_name, ["/usr/bin/python3", "-c", code, url]).stdout
+
+
+def test_rlm_exporter_runs_unprivileged_sandboxed_on_the_cluster_address(site: Site) -> None:
+    assert site.first.rc == 0
+    rig = site.rig
+    # A run directory on the shared dir, which lies under /var/tmp on the rig: PrivateTmp would
+    # hide it unless the unit binds it back in.
+    run = rig.shared_dir / "runs" / "sandbox-probe"
+    run.mkdir(parents=True, exist_ok=True)
+    status = {"state": "running", "step": 7, "updated": time.time()}
+    (run / "status.json").write_text(json.dumps(status))
+    assert rig.shared_dir.stat().st_uid == SERVICE_UID  # the pinned service user owns it
+    for host in rig.hosts:
+        props = rig.exec(
+            host, ["systemctl", "show", "rlm-exporter", *(f"--property={p}" for p in SANDBOX)]
+        ).stdout
+        assert dict(line.split("=", 1) for line in props.split()) == SANDBOX, host.name
+        pid = rig.exec(host, "systemctl show -P MainPID rlm-exporter").stdout.strip()
+        proc_status = rig.exec(host, f"cat /proc/{pid}/status").stdout
+        uids = next(
+            line.split()[1:] for line in proc_status.splitlines() if line.startswith("Uid:")
+        )
+        assert uids == [str(EXPORTER_UID)] * 4, (host.name, uids)
+        device_gids = rig.exec(host, "getent group video render | cut -d: -f3").stdout.split()
+        groups = next(
+            line.split()[1:] for line in proc_status.splitlines() if line.startswith("Groups:")
+        )
+        assert device_gids and set(device_gids) <= set(groups), (host.name, groups)
+        # Bound to the cluster address only.
+        assert scrape(rig, host.name, "127.0.0.1") == "ConnectionRefusedError\n", host.name
+        deadline = time.monotonic() + 60  # the exporter reads runs every rlm_exporter_interval_s
+        while 'rlm_run_step{run="sandbox-probe"} 7.0' not in (
+            metrics := scrape(rig, host.name, host.ip)
+        ):
+            assert time.monotonic() < deadline, (host.name, metrics[-2000:])
+            time.sleep(1)
+
+
+def show(rig: Rig, host_name: str, unit: str, *properties: str) -> dict[str, str]:
+    argv = ["systemctl", "show", unit, *(f"--property={p}" for p in properties)]
+    out = rig.exec(host_name, argv).stdout
+    return dict(line.split("=", 1) for line in out.splitlines())
+
+
+def test_trainer_slice_and_user_slices_have_the_site_limits(site: Site) -> None:
+    assert site.first.rc == 0
+    limits = SLICE_LIMITS
+    for host in site.rig.hosts:
+        trainer = show(
+            site.rig, host.name, "rlm-trainer.slice", "MemoryMax", "CPUWeight", "TasksMax"
+        )
+        assert trainer == {
+            "MemoryMax": str(limits["rlm_trainer_memory_max_bytes"]),
+            "CPUWeight": str(limits["rlm_trainer_cpu_weight"]),
+            "TasksMax": limits["rlm_trainer_tasks_max"],
+        }, host.name
+        # Any uid's slice takes the user-.slice drop-in, logged in or not.
+        user = show(site.rig, host.name, "user-4242.slice", "MemoryMax", "CPUWeight", "TasksMax")
+        assert user == {
+            "MemoryMax": str(limits["rlm_user_memory_max_bytes"]),
+            "CPUWeight": str(limits["rlm_user_cpu_weight"]),
+            "TasksMax": limits["rlm_user_tasks_max"],
+        }, host.name
+
+
+def hostproc_call(rig: Rig, host_name: str, script: str, action: str, cfg: dict) -> dict:
+    """The host-side script as rlmctl ships it: the node's python3, one base64 JSON argument."""
+    payload = base64.b64encode(json.dumps(cfg).encode()).decode()
+    out = rig.exec(host_name, ["/usr/bin/python3", script, action, payload]).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def test_rlmctl_starts_the_trainer_in_its_own_unit_of_the_slice(site: Site) -> None:
+    """hostproc's start on a systemd host: a transient unit in rlm-trainer.slice with
+    Delegate=yes; status and stop find the run's processes in it; the exit code is recorded."""
+    assert site.first.rc == 0
+    rig = site.rig
+    script = rig.shared_dir / "hostproc.py"
+    shutil.copy(hostproc.__file__, script)
+    run_dir = rig.shared_dir / "runs" / "slice-probe"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for host in (rig.hosts[1], rig.hosts[5]):  # a compute node of each release
+        ident = {"run_dir": str(run_dir), "host": host.name}
+        exit_file = run_dir / f"exit-{host.name}.json"
+        cfg = ident | {
+            # A worker in a session of its own, as torchrun's are.
+            "argv": ["/bin/sh", "-c", "setsid sleep 300 & sleep 300"],
+            "env": {"RLMCTL_RUN": str(run_dir), "RLMCTL_HOST": host.name},
+            "log": str(run_dir / f"{host.name}.log"),
+            "exit_file": str(exit_file),
+            "cwd": str(rig.shared_dir),
+        }
+        started = hostproc_call(rig, host.name, str(script), "start", cfg)
+        assert started["slice"] == "rlm-trainer.slice", started
+        unit = show(rig, host.name, started["unit"], "Slice", "Delegate", "MainPID", "ActiveState")
+        assert unit == {
+            "Slice": "rlm-trainer.slice",
+            "Delegate": "yes",
+            "MainPID": str(started["pid"]),
+            "ActiveState": "active",
+        }, (host.name, unit)
+        deadline = time.monotonic() + 30
+        while (
+            len(
+                (state := hostproc_call(rig, host.name, str(script), "status", ident | started))[
+                    "processes"
+                ]
+            )
+            < 4
+        ):
+            assert time.monotonic() < deadline, state  # launcher, sh, sleep, setsid'd sleep
+            time.sleep(0.2)
+        assert state["alive"], state
+        stopped = hostproc_call(
+            rig, host.name, str(script), "stop", ident | started | {"timeout": 20}
+        )
+        assert stopped["remaining"] == [] and stopped["found"] >= 4, stopped
+        after = hostproc_call(rig, host.name, str(script), "status", ident | started)
+        assert after == {"alive": False, "processes": []}, after
+        assert "exit_code" in json.loads(exit_file.read_text())
+
+
+def test_prometheus_and_alertmanager_answer_only_mgmt_and_admin_sources(site: Site) -> None:
+    assert site.first.rc == 0
+    rig = site.rig
+    for mgmt_name in MGMT:
+        mgmt = rig.host(mgmt_name)
+        compute = next(h for h in rig.hosts if h.release == mgmt.release and h.name != mgmt_name)
+        for port in (9090, 9093):
+            # The controller is in rlm_admin_sources; the mgmt host reaches its own address.
+            assert connect_from_real_host(mgmt.ip, port) == "open", (mgmt_name, port)
+            assert connect(rig, mgmt_name, mgmt.ip, port) == "open", (mgmt_name, port)
+            # A compute node is dropped (no answer at all), as every other source would be.
+            from_compute = connect(rig, compute.name, mgmt.ip, port)
+            assert from_compute == "TimeoutError", (compute.name, port, from_compute)
 
 
 def test_after_a_reboot_units_firewall_and_sysctls_are_back(site: Site) -> None:

@@ -1,5 +1,6 @@
-"""Bad variables stop provisioning in the preflight play, with one clear message per host, before
-any task changes (or, in check mode, plans to change) anything on any host."""
+"""Bad input stops provisioning in the preflight play, with one clear message per host, before
+any task changes (or, in check mode, plans to change) anything on any host: bad variables, an
+unreachable host, an unsupported OS or kernel, a power cap outside the GPUs' range."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ UBUNTU_NOBLE = {
     "rlm_distribution_version": "24.04",
     "rlm_kernel": "6.8.0-49-generic",
 }
+# The GPUs' driver counts as loaded where its module directory exists (here: /sys/module/kernel).
+LOADED = {"gpu_detect_module_dirs": {"amd": "/sys/module/kernel", "nvidia": "/sys/module/kernel"}}
+NO_GPU = {"rlm_gpu_vendor": "none"}
 BAD_HOSTS = {
     "bad_vendor": ({"rlm_gpu_vendor": "intel"}, "unknown GPU vendor rlm_gpu_vendor=intel"),
     "bad_rocm_kernel": (
@@ -30,6 +34,34 @@ BAD_HOSTS = {
     "bad_cap": (
         {"rlm_gpu_vendor": "nvidia", "rlm_gpu_power_limit_w": "max"},
         "gpu_power_limit_w=max is not a number of watts",
+    ),
+    # The stand-in nvidia-smi reports H100s (200-700 W).
+    "bad_cap_range": (
+        {"rlm_gpu_vendor": "nvidia", "rlm_gpu_power_limit_w": 800, **LOADED},
+        "power cap 800.0 W is outside the range of GPU 0, GPU 1, GPU 2, GPU 3, GPU 4, GPU 5, "
+        "GPU 6, GPU 7 (200.0-700.0 W) on bad_cap_range: set gpu_power_limit_w "
+        "(rlm_gpu_power_limit_w) inside that range",
+    ),
+    # Nothing listens on port 1 of loopback: the connection is refused.
+    "unreachable": (
+        {**NO_GPU, "ansible_connection": "ssh", "ansible_port": 1, "ansible_user": "root"},
+        "unreachable is unreachable (ssh: connect to host 127.0.0.1 port 1: Connection refused):"
+        " check its ansible_host, ansible_port, ansible_user and SSH key",
+    ),
+    "old_os": (
+        {**NO_GPU, "rlm_distribution_version": "20.04"},
+        "unsupported OS on old_os: Debian 20.04 is not one of 12, 13, 22.04, 24.04"
+        " (common_supported_versions): reinstall with a supported release",
+    ),
+    "old_kernel": (
+        {**NO_GPU, "rlm_kernel": "4.15.0-213-generic"},
+        "unsupported kernel on old_kernel: 4.15.0-213-generic is older than 4.18"
+        " (common_min_kernel): boot a newer kernel",
+    ),
+    "misspelt": (
+        {**NO_GPU, "rlm_gpus_per_nod": 4},
+        "unknown variable rlm_gpus_per_nod on misspelt: not an rlm-ops variable"
+        " (docs/variables.md lists them): did you mean rlm_gpus_per_node?",
     ),
 }
 
@@ -62,8 +94,8 @@ def test_bad_variables_fail_before_any_change(tmp_path: Path) -> None:
         assert message in failures[0], (host, failures)
     # The valid host is stopped too: a cluster is never provisioned on some nodes only.
     assert (
-        "validation failed on bad_cap, bad_lustre, bad_rocm_kernel, bad_vendor"
-        in (run.failures("good")[0])
+        f"validation failed on {', '.join(sorted(BAD_HOSTS))}: fix the variables reported above;"
+        " nothing was changed on any host" in run.failures("good")[0]
     )
     every_host = [*BAD_HOSTS, "good"]
     assert all(run.changed(host) == [] for host in every_host), {
