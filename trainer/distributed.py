@@ -299,6 +299,8 @@ def wrap_model(model: nn.Module, env: DistEnv, cfg: CommConfig, find_unused: boo
 
     Not `static_graph`: the core block runs a different number of times every step.
     `find_unused` is needed only when some parameters get no gradient (backprop depth 0).
+    No buffer broadcast per forward: the only buffers are the rope tables, which every rank
+    computes identically from the config (DDP still syncs them once at construction).
     """
     if not env.distributed:
         return model
@@ -308,6 +310,7 @@ def wrap_model(model: nn.Module, env: DistEnv, cfg: CommConfig, find_unused: boo
         bucket_cap_mb=cfg.bucket_mb,
         find_unused_parameters=find_unused,
         gradient_as_bucket_view=True,
+        broadcast_buffers=False,
     )
     wire = WIRE_DTYPES[cfg.compression]
     stats = CommStats(wire, cfg.predivide_factor, env.world_size, CommTimer(env.device))
