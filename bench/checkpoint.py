@@ -6,14 +6,21 @@ shards), each sync and async.
 
 A synthetic training state of about 300 MB (fp32 weights plus two AdamW moments) is saved by
 CheckpointStore and compared with writing the same tensor bytes straight to disk (write + fsync).
-The async figure is the time the training thread spends blocked inside `save()`; while the
-background write runs, a CPU matmul loop stands in for training and its slowdown is printed too.
+The async figure is the time the training loop is blocked by a save, in steady state: the time in
+`save()` plus the wait, at the next optimizer step, for the background copy of the tensors to
+host memory (`wait_for_staging`), once with that step right after `save()` (the worst case) and
+once after a stand-in forward/backward; while the background write runs, a CPU matmul loop
+stands in for training and its slowdown is printed too.
 
     python bench/checkpoint.py [--mb 300] [--dir DIR] [--repeats 5]
 
-Times are the best of --repeats runs: on a shared machine the minimum is the figure least
-disturbed by other work. The raw write and the two sync saves run interleaved, round by round,
-and the per-round ratios are printed too (each save against the raw write of its own round).
+Fair comparison: the raw write writes the same tensor bytes from the same memory to the same
+file system and fsyncs them, as a save does; before every timed write the bench calls sync(2),
+so no operation starts with the dirty pages of the one before it (or of another process) still
+being written back. On a shared machine the disk and the cores are noisy: the raw write and the
+two sync saves run interleaved (the order rotating round by round), each save is compared with the
+raw write of its own round, and the best and the median of each are printed, with the load
+average before and after.
 """
 
 from __future__ import annotations
@@ -61,12 +68,18 @@ def synthetic_state(total_mb: int) -> dict[str, Any]:
     }
 
 
+def settled() -> float:
+    """sync(2), then the time: a timed write starts with no dirty pages of an earlier one."""
+    os.sync()
+    return time.perf_counter()
+
+
 def raw_write(state: dict[str, Any], path: Path) -> float:
     """Seconds to write every tensor's bytes to one file and fsync it: the floor for a save."""
     tensors = list(state["model"].values())
     for entry in state["optimizer"]["state"].values():
         tensors += [entry["exp_avg"], entry["exp_avg_sq"]]
-    start = time.perf_counter()
+    start = settled()
     with open(path, "wb") as f:
         for t in tensors:
             f.write(memoryview(t.numpy()).cast("B"))
@@ -118,7 +131,7 @@ class TimedStore:
 
     def save(self, step: int, state: dict[str, Any]) -> float:
         self.phases.clear()
-        start = time.perf_counter()
+        start = settled()
         assert self.store.save(step, state)
         end = time.perf_counter()  # a sync save has published its checkpoint when save() returns
         self.store.wait()  # retention's background delete: not the trainer's wait, yet done
@@ -130,6 +143,13 @@ class TimedStore:
     def best(self, phase: str = "total") -> float:
         return min(s[phase] for s in self.saves)
 
+    def median(self) -> float:
+        return statistics.median(s["total"] for s in self.saves)
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
 
 def sync_rounds(state: dict[str, Any], base: Path, repeats: int) -> tuple[float, float, float]:
     """Raw write, full sync save and sharded sync save, interleaved round by round so that all
@@ -140,33 +160,47 @@ def sync_rounds(state: dict[str, Any], base: Path, repeats: int) -> tuple[float,
     full = TimedStore(RunDir(base / "sync").create(), CheckpointConfig(keep_last=1))
     sharded_cfg = CheckpointConfig(keep_last=1, format="sharded")
     sharded = TimedStore(RunDir(base / "sharded-sync").create(), sharded_cfg)
-    raws, full_ratios, sharded_ratios = [], [], []
+    raws: list[float] = []
+    ratios: dict[str, list[float]] = {"full": [], "sharded": []}
     for step in range(1, repeats + 1):
-        raw = raw_write(state, base / "raw.bin")
-        raws.append(raw)
-        full_ratios.append(full.save(step, state) / raw)
-        sharded_ratios.append(sharded.save(step, shard_state) / raw)
+        times = {}
+        runs = [
+            ("raw", lambda: raw_write(state, base / "raw.bin")),
+            ("full", lambda step=step: full.save(step, state)),
+            ("sharded", lambda step=step: sharded.save(step, shard_state)),
+        ]
+        for name, run in runs[step % 3 :] + runs[: step % 3]:  # each goes first in some rounds
+            times[name] = run()
+        raws.append(times["raw"])
+        for name in ratios:
+            ratios[name].append(times[name] / times["raw"])
     raw_s, full_s, sharded_s = min(raws), full.best(), sharded.best()
     files_s, manifest_s = full.best("files-written"), full.best("manifest-written")
     shards_s, published_s = sharded.best("shards-written"), sharded.best("manifest-written")
+
+    def versus_raw(name: str, store: TimedStore) -> str:
+        best, median = store.best(), store.median()
+        return (
+            f"{best:6.2f} s best ({nbytes / best / 1e6:5.0f} MB/s), {median:.2f} s median; "
+            f"{best / raw_s:.2f}x the best raw write, per round median "
+            f"{statistics.median(ratios[name]):.2f}x (target <= 1.2x)"
+        )
+
     print(
-        f"raw write+fsync  : {raw_s:6.2f} s ({nbytes / raw_s / 1e6:5.0f} MB/s)\n"
-        f"sync save        : {full_s:6.2f} s ({nbytes / full_s / 1e6:5.0f} MB/s)  "
-        f"= {full_s / raw_s:.2f}x raw (best of each); per round median "
-        f"{statistics.median(full_ratios):.2f}x (target <= 1.2x)\n"
+        f"raw write+fsync  : {raw_s:6.2f} s best ({nbytes / raw_s / 1e6:5.0f} MB/s), "
+        f"{statistics.median(raws):.2f} s median\n"
+        f"sync save        : {versus_raw('full', full)}\n"
         f"  of which torch.save+sha256+fsync of the files: {files_s:6.2f} s; "
         f"manifest: {manifest_s - files_s:.2f} s; rename, fsync, retention's rename (it deletes "
         f"the previous checkpoint in the background): {full_s - manifest_s:.2f} s\n"
-        f"sharded sync save: {sharded_s:6.2f} s ({nbytes / sharded_s / 1e6:5.0f} MB/s) "
-        f"= {sharded_s / raw_s:.2f}x raw (best of each); per round median "
-        f"{statistics.median(sharded_ratios):.2f}x (target <= 1.2x)\n"
+        f"sharded sync save: {versus_raw('sharded', sharded)}\n"
         f"  of which DCP write+sha256+fsync of the shards: {shards_s:6.2f} s; trainer_state.pt, "
         f"manifest: {published_s - shards_s:.2f} s; rename, fsync, retention's rename: "
         f"{sharded_s - published_s:.2f} s\n"
         f"  per round (raw s, full x, sharded x): "
         + ", ".join(
             f"({r:.2f}, {f:.2f}, {h:.2f})"
-            for r, f, h in zip(raws, full_ratios, sharded_ratios, strict=True)
+            for r, f, h in zip(raws, ratios["full"], ratios["sharded"], strict=True)
         )
     )
     return raw_s, full_s, sharded_s
@@ -175,28 +209,70 @@ def sync_rounds(state: dict[str, Any], base: Path, repeats: int) -> tuple[float,
 WARM_UP_SAVES = 2
 
 
-def sharded_async(state: dict[str, Any], base: Path, sync_s: float, repeats: int) -> None:
-    """checkpoint.format=sharded with async_save: the stall inside save() against a sync save."""
-    shard_state = named_optimizer(state)
-    run = RunDir(base / "sharded-async").create()
-    cfg = CheckpointConfig(keep_last=1, format="sharded", async_save=True)
-    store = CheckpointStore(run, cfg, 0, 1)
-    blocked, total = [], []
-    # DCP stages into fresh host memory until glibc's malloc has raised its mmap threshold past
-    # the tensors' size (measured: the first two saves 0.16 s, later ones 0.03 s): those are
-    # printed apart, the steady state is the figure a long run sees at every save.
-    for step in range(1, repeats + WARM_UP_SAVES + 1):
-        start = time.perf_counter()
-        assert store.save(step, shard_state)
-        blocked.append(time.perf_counter() - start)
+STEP_S = 0.1  # the stand-in training step between a save and the next optimizer step
+
+
+def matmuls(count: int) -> None:
+    a = torch.randn(256, 256)
+    for _ in range(count):
+        a = torch.tanh(a @ a)
+
+
+def async_rounds(
+    label: str, store: CheckpointStore, state: dict[str, Any], sync_s: float, repeats: int
+) -> None:
+    """The time the training loop is blocked by an async save, steady state, against the best
+    sync save: the time in `save()` plus the wait for the copy to host memory at the next
+    optimizer step (`wait_for_staging`). Twice: with the optimizer step right after `save()`
+    (the worst case: the loop waits for the whole copy) and after a stand-in forward/backward
+    of STEP_S (matmuls on the same cores). Then how much slower the stand-in training runs while
+    the background write goes on."""
+    baseline_rate = matmul_rate(1.0)
+    step_matmuls = int(baseline_rate * STEP_S)
+    blocked: dict[bool, list[float]] = {False: [], True: []}  # by "a step in between"
+    in_save, published, slowdowns = [], [], []
+    # The first saves allocate the host staging memory (first touch of fresh pages; for DCP also
+    # until glibc's malloc raises its mmap threshold past the tensors' size): left out, the
+    # steady state is what a long run sees at every save.
+    for step in range(1, 2 * repeats + WARM_UP_SAVES + 1):
+        between = step % 2 == 0
+        start = settled()
+        assert store.save(step, state)
+        returned = time.perf_counter()
+        if between:
+            matmuls(step_matmuls)
+        fence = time.perf_counter()
+        store.wait_for_staging()
+        stalled = returned - start + time.perf_counter() - fence
+        stop, done = threading.Event(), [0]
+        worker = threading.Thread(target=busy_loop, args=(stop, done))
+        window = time.perf_counter()
+        worker.start()
+        while store.in_flight:
+            time.sleep(0.01)  # polling the background save's state
+        stop.set()
+        worker.join()
+        if step > WARM_UP_SAVES:
+            blocked[between].append(stalled)
+            in_save.append(returned - start)
+            published.append(time.perf_counter() - start)
+            slowdowns.append(1 - done[0] / (time.perf_counter() - window) / baseline_rate)
         store.wait()
-        total.append(time.perf_counter() - start)
         assert store.failures == 0
-    stall_s = min(blocked[WARM_UP_SAVES:])
+
+    def stall(between: bool) -> str:
+        best, median = min(blocked[between]), statistics.median(blocked[between])
+        return (
+            f"{best:.3f} s best, {median:.3f} s median = {best / sync_s:.1%} / "
+            f"{median / sync_s:.1%} of the best sync save"
+        )
+
     print(
-        f"sharded async    : {stall_s:6.2f} s blocked in save() = {stall_s / sync_s:.1%} of the "
-        f"sharded sync save (target <= 10%); {min(total):.2f} s until published; first "
-        f"{WARM_UP_SAVES} saves {', '.join(f'{b:.2f}' for b in blocked[:WARM_UP_SAVES])} s"
+        f"{label}: training blocked (target <= 10%), optimizer step right after save(): "
+        f"{stall(False)}; after a {STEP_S:.1f} s stand-in step: {stall(True)}\n"
+        f"  save() itself returns in {statistics.median(in_save):.3f} s (median); "
+        f"{min(published):.2f} s until published; stand-in training "
+        f"{statistics.median(slowdowns):.0%} slower meanwhile (writer and trainer share the cores)"
     )
 
 
@@ -215,7 +291,9 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="rlm-ckpt-bench-", dir=args.dir))
     try:
         state = synthetic_state(args.mb)
-        print(f"state: {state_nbytes(state) / 1e6:.0f} MB of tensors, written under {base}")
+        print(
+            f"state: {state_nbytes(state) / 1e6:.0f} MB of tensors, written under {base}; {load()}"
+        )
         _, save_s, sharded_s = sync_rounds(state, base, args.repeats)
 
         sync_run = RunDir(base / "sync")
@@ -230,34 +308,12 @@ def main() -> None:
         del loaded
 
         async_run = RunDir(base / "async").create()
-        mgr = CheckpointStore(async_run, CheckpointConfig(keep_last=1, async_save=True), 0, 1)
-        baseline_rate = matmul_rate(1.0)
-        stalls, slowdowns = [], []
-        for step in range(1, args.repeats + 1):
-            stop, done = threading.Event(), [0]
-            start = time.perf_counter()
-            assert mgr.save(step, state)
-            stalls.append(time.perf_counter() - start)
-            worker = threading.Thread(target=busy_loop, args=(stop, done))
-            window = time.perf_counter()
-            worker.start()
-            while mgr.in_flight:
-                time.sleep(0.01)  # polling the background save's state
-            stop.set()
-            worker.join()
-            rate = done[0] / (time.perf_counter() - window)
-            slowdowns.append(1 - rate / baseline_rate)
-            mgr.wait()
-        stall_s = min(stalls)
-        print(
-            f"async save stall : {stall_s:6.2f} s blocked in save() (host copy) = "
-            f"{stall_s / save_s:.1%} of the sync save (target <= 10%)\n"
-            f"training slowdown while the background write runs: "
-            f"{statistics.median(slowdowns):.0%} fewer matmuls/s (CPU box: writer and "
-            "trainer share the cores)"
-        )
-        print(f"async saves: {mgr.saves}, failures: {mgr.failures}")
-        sharded_async(state, base, sharded_s, args.repeats)
+        store = CheckpointStore(async_run, CheckpointConfig(keep_last=1, async_save=True), 0, 1)
+        async_rounds("async save stall ", store, state, save_s, args.repeats)
+        sharded_cfg = CheckpointConfig(keep_last=1, format="sharded", async_save=True)
+        store = CheckpointStore(RunDir(base / "sharded-async").create(), sharded_cfg, 0, 1)
+        async_rounds("sharded async    ", store, named_optimizer(state), sharded_s, args.repeats)
+        print(load())
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

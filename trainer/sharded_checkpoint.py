@@ -13,10 +13,12 @@ files while it writes them (no second pass over the data); rank 0 gathers the di
 renames the directory into place. A crash at any point leaves a hidden temp directory, never a
 `step-*` name on incomplete data.
 
-Async (`checkpoint.async_save=true`): `dcp.async_save` copies the state to host memory and
-returns; its writes, the digests and the rename run in one background thread per rank, on a gloo
-process group of their own (collectives from a second thread must not interleave with the
-training loop's on the default group).
+Async (`checkpoint.async_save=true`): `dcp.async_save` returns at once; DCP's stager copies the
+tensors to host memory in a thread of its own (buffers kept from one save to the next), and the
+training loop waits for that copy only before its next optimizer step changes the tensors
+(`CheckpointStore.wait_for_staging`). The writes, the digests and the rename run in one
+background thread per rank, on a gloo process group of their own (collectives from a second
+thread must not interleave with the training loop's on the default group).
 
 Resume reads with `dcp.load` into the state dict of the model as it is now sharded, so each rank
 reads only the byte ranges of its own shards, whatever world size and strategy wrote them.
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -46,6 +49,9 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer.hashed_write import HashingWriter, without_zip_crc32
 
 DCP_DIR = "dcp"
+# DCP writer threads (and shard files) per rank: one file's sha256 is a sequential pass slower
+# than the write, so one file per rank leaves the save hash-bound with a core idle.
+WRITER_THREADS = 2
 FORMAT_KEY = "checkpoint_format"  # set to "sharded" on a state read from a sharded checkpoint
 
 
@@ -100,17 +106,47 @@ class _HashingFileSystem(FileSystem):
             self.digests[Path(new_path).name] = digest
 
 
-class ShardWrite:
-    """This rank's DCP write into `tmp/dcp`, in flight (async) or done (sync)."""
+def background_stager() -> DefaultStager:
+    """DCP's stager for async saves: copies the tensors to host memory (pinned on GPUs) in a
+    thread of its own and keeps those buffers for the next save."""
+    accelerator = torch.accelerator.is_available()
+    options = StagingOptions(
+        use_pinned_memory=accelerator,
+        use_shared_memory=False,  # the writer is a thread of this process
+        use_async_staging=True,
+        use_non_blocking_copy=accelerator,
+    )
+    return DefaultStager(options)
 
-    def __init__(self, tensors: dict[str, Any], tmp: Path, group: Any, async_save: bool) -> None:
+
+class Staged:
+    """`wait()` returns once DCP's stager has copied the tensors (an Event's interface)."""
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        with contextlib.suppress(Exception):  # a failed copy surfaces from the write's future
+            self._future.result()
+
+
+class ShardWrite:
+    """This rank's DCP write into `tmp/dcp`, in flight (async, with `stager`) or done (sync)."""
+
+    def __init__(self, tensors: dict[str, Any], tmp: Path, group: Any, stager: Any) -> None:
         self._files = _HashingFileSystem()
-        writer = FileSystemWriter(tmp / DCP_DIR)
+        writer = FileSystemWriter(tmp / DCP_DIR, thread_count=WRITER_THREADS)
         writer.fs = self._files  # what DCP writes goes through the hashing streams
-        save = dcp.async_save if async_save else dcp.save
-        self._future = save(tensors, storage_writer=writer, process_group=group)
-        if not async_save:
-            self._future = None
+        self._future = None
+        self.staged: Staged | None = None
+        if stager is None:
+            dcp.save(tensors, storage_writer=writer, process_group=group)
+            return
+        response = dcp.async_save(
+            tensors, storage_writer=writer, process_group=group, async_stager=stager
+        )
+        self.staged = Staged(response.staging_completion)
+        self._future = response.upload_completion
 
     def digests(self) -> dict[str, str]:
         """Wait for the write; the sha256 of every file this rank wrote (rank 0 also wrote

@@ -13,9 +13,10 @@ One optimizer step:
    update does not depend on the world size.
 3. Forward/backward per micro-batch (DDP all-reduces on the last one), unscale, clip.
 4. One small all-reduce agrees on the mean loss and on whether a stop signal arrived anywhere.
-5. A finite step is applied; a non-finite one is dropped and counted. After
-   `train.max_nonfinite` in a row the run rolls back to the newest verified checkpoint from
-   before the streak, with the data cursor still moving forward (or stops, exit 4).
+5. A finite step is applied (once an async checkpoint in flight has copied the tensors); a
+   non-finite one is dropped and counted. After `train.max_nonfinite` in a row the run rolls
+   back to the newest verified checkpoint from before the streak, with the data cursor still
+   moving forward (or stops, exit 4).
 6. Metrics, checkpoint on the interval, validation on its interval, stop if asked.
 """
 
@@ -28,7 +29,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -369,7 +370,7 @@ def _loop(
 
     failures_before = checkpoints.failures
     while run.progress.step < cfg.train.steps:
-        result = train_step(run, cfg, env, run_dir, signals)
+        result = train_step(run, cfg, env, run_dir, signals, checkpoints.wait_for_staging)
         reporter.step(result, run.health)
         if run.health.nonfinite_in_a_row >= cfg.train.max_nonfinite:
             if not _roll_back(run, cfg, checkpoints, reporter):
@@ -406,9 +407,16 @@ def _last_save_ok(checkpoints: CheckpointManager, failures_before: int) -> bool:
 
 
 def train_step(
-    run: Run, cfg: Config, env: DistEnv, run_dir: RunDir, signals: StopSignals
+    run: Run,
+    cfg: Config,
+    env: DistEnv,
+    run_dir: RunDir,
+    signals: StopSignals,
+    before_update: Callable[[], None],
 ) -> StepResult:
-    """One optimizer step over this rank's share of the next global batch."""
+    """One optimizer step over this rank's share of the next global batch. `before_update` runs
+    before the optimizer changes the weights and its state in place: an async checkpoint's copy
+    of them must be done by then (`CheckpointManager.wait_for_staging`)."""
     mcfg, tcfg = cfg.model, cfg.train
     tensors, scaler = run.tensors, run.scaler
     step_start = time.perf_counter()
@@ -453,6 +461,7 @@ def train_step(
     # With fp16 an overflowing gradient is the loss scaler's business (it skips the step and
     # lowers the scale); a non-finite loss is trouble in every precision.
     finite = math.isfinite(loss_value) and (scaler is not None or math.isfinite(grad_norm))
+    before_update()
     if scaler:
         scale_before = scaler.get_scale()
         if finite:

@@ -388,9 +388,12 @@ def test_async_save_writes_the_state_as_it_was_when_save_returned(tmp_path: Path
     async_mgr = manager(tmp_path / "async", async_save=True)
     assert sync_mgr.save(5, state)
     assert async_mgr.save(5, state)
-    for tensor in state["model"].values():  # training goes on while the thread writes
+    state["progress"]["step"] = 6  # the loop moves on at once: the rest was copied in save()
+    # The tensors are copied to host memory by the background thread; the optimizer step waits
+    # for that copy (as the training loop does) and then changes them while the thread writes.
+    async_mgr.wait_for_staging()
+    for tensor in [*state["model"].values(), state["optimizer"]["state"][0]["exp_avg"]]:
         tensor.add_(1.0)
-    state["progress"]["step"] = 6
     async_mgr.wait()
     assert not async_mgr.in_flight and async_mgr.saves == 1
     assert_same(manager(tmp_path / "sync").load(), manager(tmp_path / "async").load())
@@ -410,6 +413,7 @@ def test_async_staging_buffers_are_reused_without_mixing_saves(tmp_path: Path) -
     weight = torch.zeros(1000)
     state = {"model": {"w": weight, "tied": weight[:10]}, "optimizer": {}, "progress": {"step": 1}}
     assert mgr.save(1, state)
+    mgr.wait_for_staging()
     weight.fill_(2.0)  # the next step changes the weights in place
     assert mgr.save(2, {**state, "progress": {"step": 2}})
     mgr.wait()

@@ -99,7 +99,9 @@ def test_sharded_save_hashes_while_writing_and_reads_nothing_back(tmp_path: Path
         assert store.failures == 0
         path = run.checkpoint_path(step)
         written = {p.name for p in opens.written()}
-        assert {"__0_0.distcp", ".metadata.tmp", "trainer_state.pt"} <= written, written
+        # Two files per rank, written (and hashed) by two threads.
+        shards = {"__0_0.distcp", "__0_1.distcp"}
+        assert shards | {".metadata.tmp", "trainer_state.pt"} <= written, written
         # The manifest's sha256 came from the writes: no file was opened to be read back (only
         # manifests, which retention reads to list the checkpoints).
         read_back = [p for p in opens.read() if p.name != MANIFEST_NAME]
@@ -108,11 +110,35 @@ def test_sharded_save_hashes_while_writing_and_reads_nothing_back(tmp_path: Path
         assert sorted(manifest["files"]) == [
             "dcp/.metadata",
             "dcp/__0_0.distcp",
+            "dcp/__0_1.distcp",
             "trainer_state.pt",
         ]
         for name, entry in manifest["files"].items():
             assert entry["sha256"] == sha256_file(path / name), name
         assert verify_checkpoint(path, full=True).valid
+
+
+def test_async_sharded_save_writes_the_tensors_as_they_were_at_save(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run").create()
+    state = one_rank_state()
+    saved = {name: tensor.clone() for name, tensor in state["model"].items()}
+    # 128 MiB staged first: without the wait below the weights would change before their copy.
+    state["model"] = {"padding": torch.zeros(32 << 20), **state["model"]}
+    store = CheckpointStore(run, CheckpointConfig(format="sharded", async_save=True), 0, 1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        assert store.save(1, state)
+        # DCP's stager copies the tensors in its own thread; the optimizer step waits for that
+        # copy (as the training loop does), then changes them in place while DCP writes.
+        store.wait_for_staging()
+        for name in saved:
+            state["model"][name].add_(1.0)
+        store.wait()
+    assert store.failures == 0
+    model = RecurrentLM(PRESETS["tiny"])
+    sharded_checkpoint.read_model_weights(run.checkpoint_path(1), model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
 
 
 def test_resume_across_world_sizes_and_strategies(prepared_data: Path, tmp_path: Path) -> None:
@@ -133,7 +159,8 @@ def test_resume_across_world_sizes_and_strategies(prepared_data: Path, tmp_path:
         if i:
             assert f"resumed at step {steps - 2}" in stderr
         files = sorted(p.name for p in (RunDir(run).checkpoint_path(steps) / "dcp").iterdir())
-        assert files == [".metadata", *(f"__{r}_0.distcp" for r in range(nproc))], files
+        shards = [f"__{r}_{n}.distcp" for r in range(nproc) for n in range(2)]
+        assert files == [".metadata", *shards], files
     in_process(prepared_data, run, "train.steps=10", *SHARDED)  # fsdp -> one process
     assert all(verify_checkpoint(c.path, full=True).valid for c in RunDir(run).checkpoints())
 
@@ -170,12 +197,12 @@ def test_each_rank_reads_only_its_own_shards_at_resume(prepared_data: Path, tmp_
         reads = json.loads((run / f"opens-rank{rank}.json").read_text())
         assert all(name.startswith("step-00000002/") for name in reads), reads
         assert "step-00000002/dcp/.metadata" in reads, reads
-        own = f"step-00000002/dcp/__{rank}_0.distcp"
-        assert own in reads, reads
+        own = {f"step-00000002/dcp/__{rank}_{n}.distcp" for n in range(2)}
+        assert own <= set(reads), reads
         # Values every rank holds (AdamW's step counters, param_groups) are stored once, in
         # whichever rank's file DCP's dedup picked: a rank opens another's file only for those,
         # small next to the shards it holds (it reads byte ranges, not whole files).
-        for other in [n for n in reads if n.endswith(".distcp") and n != own]:
+        for other in [n for n in reads if n.endswith(".distcp") and n not in own]:
             entries = [(i, s) for i, s in index.items() if s.relative_path == Path(other).name]
             replicated = sum(s.length for i, s in entries if not i.offset)
             assert replicated < 0.05 * sum(s.length for _, s in entries), (other, replicated)
