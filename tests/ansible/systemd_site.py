@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,12 @@ def site_inventory(rig: Rig, wheelhouse: Path, stacks: dict[str, Path]) -> dict[
     release_groups = {
         release: {
             "hosts": {name: None for name in names},
-            "vars": {"trainer_env_site_dirs": [str(stacks[release])]}
+            "vars": {
+                "trainer_env_site_dirs": [str(stacks[release])],
+                # The bookworm stack links into this checkout's venv: where that sits under /tmp
+                # (a clone in /tmp), the sandboxed exporter needs it bound back in.
+                "rlm_exporter_read_only_paths": [sysconfig.get_paths()["purelib"]],
+            }
             | ({} if release == "bookworm" else {"trainer_env_verify": False}),
         }
         for release, names in by_release.items()
