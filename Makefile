@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # rocm-smi (the real AMD tool, runs without a GPU) for the exporter's recorded fixture.
 TEST_SYSTEM_PACKAGES := openssh-server openssh-client prometheus prometheus-alertmanager \
 	prometheus-node-exporter nftables iproute2 procps psmisc util-linux \
-	mmdebstrap systemd-container apt-utils rocm-smi
+	mmdebstrap systemd-container apt-utils rocm-smi python3-firewall
 DEMO_SYSTEM_PACKAGES := procps
 
 .PHONY: demo test lint bench venv clean

@@ -2,7 +2,7 @@
 
 Each criterion reads one source: the run directory (trainer/rundir.py: metrics.jsonl, events,
 checkpoints, launcher logs), Prometheus over its HTTP API when `rlm_prometheus_url` is set
-(urllib only), and the last `rlmctl health` report (topology and communication path). Verdicts:
+(urllib only; HTTPS verified with `rlm_monitoring_tls_ca`, basic auth as `rlm_monitoring_username`), and the last `rlmctl health` report (topology and communication path). Verdicts:
 PASS, FAIL, NO DATA (the source has nothing yet, or does not answer: the reason says which) and
 N/A (the criterion does not apply, e.g. a GPU criterion on a CPU run). The run is accepted when
 no criterion FAILs; the verdict lists what was not checked. Thresholds: `rlm_accept_thresholds`
@@ -11,9 +11,11 @@ no criterion FAILs; the verdict lists what was not checked. Thresholds: `rlm_acc
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import math
+import ssl
 import statistics
 import time
 import urllib.error
@@ -332,19 +334,59 @@ class PrometheusError(Exception):
     pass
 
 
-def _api(url: str, path: str, params: dict[str, str], timeout: float) -> dict:
+@dataclass(frozen=True)
+class PrometheusAPI:
+    """Where Prometheus answers and how to reach it: rlm_prometheus_url, the CA its certificate
+    is checked with (rlm_monitoring_tls_ca; None: the system's) and the basic auth login."""
+
+    url: str
+    ca_file: str | None = None
+    username: str = ""
+    password: str = field(default="", repr=False)
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def prometheus_api(host: Any) -> PrometheusAPI | None:
+    """The Prometheus an inventory host names (rlmctl.inventory.Host), None without a URL."""
+    if not host.prometheus_url:
+        return None
+    return PrometheusAPI(
+        host.prometheus_url, host.monitoring_ca_file, host.monitoring_username,
+        host.monitoring_password,
+    )  # fmt: skip
+
+
+def _api(api: str | PrometheusAPI, path: str, params: dict[str, str], timeout: float) -> dict:
     """One GET of Prometheus' HTTP API; a PrometheusError names what went wrong."""
-    full = url.rstrip("/") + path + "?" + urllib.parse.urlencode(params)
+    api = api if isinstance(api, PrometheusAPI) else PrometheusAPI(api)
+    url = api.url
+    request = urllib.request.Request(url.rstrip("/") + path + "?" + urllib.parse.urlencode(params))
+    if api.username:
+        login = base64.b64encode(f"{api.username}:{api.password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {login}")
     try:
-        with urllib.request.urlopen(full, timeout=timeout) as response:
+        context = ssl.create_default_context(cafile=api.ca_file) if api.ca_file else None
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             body = json.loads(response.read().decode())
     except urllib.error.HTTPError as error:  # Prometheus answers 400/422 with a JSON error
+        if error.code == 401:
+            raise PrometheusError(
+                f"{url} refuses the login (HTTP 401): set rlm_monitoring_username and "
+                "rlm_monitoring_password to a user of rlm_monitoring_basic_auth_users"
+            ) from None
         try:
             body = json.loads(error.read().decode())
         except ValueError:
             body = {"error": f"HTTP {error.code}"}
     except (urllib.error.URLError, OSError, ValueError) as error:
-        reason = getattr(error, "reason", error)
+        reason = error if isinstance(error, ssl.SSLError) else getattr(error, "reason", error)
+        if isinstance(reason, ssl.SSLError):
+            raise PrometheusError(
+                f"{url}: TLS fails ({reason}): set rlm_monitoring_tls_ca to the CA of its "
+                "certificate"
+            ) from None
         raise PrometheusError(f"{url} does not answer ({reason})") from None
     if not isinstance(body, dict) or body.get("status") != "success":
         error = body.get("error", body) if isinstance(body, dict) else body
@@ -352,13 +394,17 @@ def _api(url: str, path: str, params: dict[str, str], timeout: float) -> dict:
     return body["data"]
 
 
-def prom_query(url: str, query: str, at: float | None = None, timeout: float = 5.0) -> list:
+def prom_query(
+    url: str | PrometheusAPI, query: str, at: float | None = None, timeout: float = 5.0
+) -> list:
     """The result vector of an instant query (HTTP API /api/v1/query)."""
     params = {"query": query} | ({"time": f"{at:.3f}"} if at else {})
     return _api(url, "/api/v1/query", params, timeout)["result"]
 
 
-def prom_range(url: str, query: str, start: float, end: float, timeout: float = 5.0) -> list:
+def prom_range(
+    url: str | PrometheusAPI, query: str, start: float, end: float, timeout: float = 5.0
+) -> list:
     """(seconds from start, value) points of the first series of a range query."""
     step = max(1.0, (end - start) / 200)
     params = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
@@ -376,7 +422,7 @@ PROMETHEUS_PLOTS = {
 }
 
 
-def prometheus_plots(url: str | None, start: float, end: float) -> dict[str, str]:
+def prometheus_plots(url: str | PrometheusAPI | None, start: float, end: float) -> dict[str, str]:
     """GPU utilisation and network share over the run, where Prometheus has them."""
     out: dict[str, str] = {}
     if not url:
@@ -397,7 +443,9 @@ def _scalar(result: list) -> float | None:
     return values[0] if len(values) == 1 else (min(values) if values else None)
 
 
-def prometheus_criteria(url: str | None, run: str, window_s: float, t: dict[str, Any], cpu: bool):
+def prometheus_criteria(
+    url: str | PrometheusAPI | None, run: str, window_s: float, t: dict[str, Any], cpu: bool
+):
     """GPU utilisation, network share of the link, trainer memory slope, scrape freshness."""
     source = f"Prometheus {url}" if url else "Prometheus"
     names = ("GPU utilisation", "network share of link", "host memory slope", "scrape freshness")
@@ -498,7 +546,7 @@ def evaluate(
     run: str,
     run_dir: RunDir,
     t: dict[str, Any],
-    prometheus_url: str | None,
+    prometheus_url: str | PrometheusAPI | None,
     health_report: dict[str, Any] | None,
     health_source: str,
 ) -> Verdict:
@@ -611,7 +659,13 @@ def write_report(verdict: Verdict, run_dir: RunDir, extra_plots: dict[str, str])
     return path
 
 
-def run(name: str, run_dir: RunDir, prometheus_url: str | None, overrides: Any, shared_dir: str):
+def run(
+    name: str,
+    run_dir: RunDir,
+    prometheus_url: str | PrometheusAPI | None,
+    overrides: Any,
+    shared_dir: str,
+):
     """The verdict of run `name`, with its report written into the run directory."""
     from rlmctl.errors import RlmctlError
     from rlmctl.health import last_report_path, read_last_report

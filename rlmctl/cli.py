@@ -165,7 +165,7 @@ def accept(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
     with session.registry(readonly=True) as registry:
         run_dir = RunDir(registry.run(run)["run_dir"])
     verdict = acceptance.run(
-        run, run_dir, host.prometheus_url, host.accept_thresholds, host.shared_dir
+        run, run_dir, acceptance.prometheus_api(host), host.accept_thresholds, host.shared_dir
     )
     if json_output:
         render.emit_json(verdict)

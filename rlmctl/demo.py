@@ -97,7 +97,7 @@ def _accept(run_dir: RunDir, name: str, host: Any) -> None:
     from rlmctl import accept, render
 
     verdict = accept.run(
-        name, run_dir, host.prometheus_url, host.accept_thresholds, host.shared_dir
+        name, run_dir, accept.prometheus_api(host), host.accept_thresholds, host.shared_dir
     )
     render.acceptance(verdict)
 

@@ -53,6 +53,9 @@ class Host:
     fabric: str | None = None  # rlm_fabric: ib, roce, socket; None = transport not judged
     gpudirect: bool | None = None  # rlm_gpudirect
     prometheus_url: str | None = None  # rlm_prometheus_url
+    monitoring_ca_file: str | None = None  # rlm_monitoring_tls_ca (a controller path)
+    monitoring_username: str = ""  # rlm_monitoring_username
+    monitoring_password: str = field(default="", repr=False, compare=False)
     accept_thresholds: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     scheduler: str = default("rlm_scheduler")  # "ssh" or "slurm": what starts the trainer
 
@@ -291,6 +294,7 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
             f"got {fabric!r}; fix it in {source}"
         )
     gpudirect = var("rlm_gpudirect")
+    ca_file = var("rlm_monitoring_tls_ca")
     # RoCE/IB knobs become NCCL variables; an explicit rlm_comm_env entry wins.
     fabric_env = transport.fabric_env({name: var(name) for name in transport.FABRIC_ENV})
     comm_env = {**fabric_env, **comm_env}
@@ -320,6 +324,9 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
         gpu_link=str(var("rlm_gpu_link")) if var("rlm_gpu_link") else None,
         fabric=str(fabric) if fabric is not None else None,
         prometheus_url=str(var("rlm_prometheus_url")) if var("rlm_prometheus_url") else None,
+        monitoring_ca_file=_expand(str(ca_file), inventory_dir) if ca_file else None,
+        monitoring_username=str(var("rlm_monitoring_username") or ""),
+        monitoring_password=str(var("rlm_monitoring_password") or ""),
         accept_thresholds=var("rlm_accept_thresholds"),
         gpudirect=None if gpudirect is None else str(gpudirect).lower() in ("true", "yes", "1"),
         scheduler=scheduler,

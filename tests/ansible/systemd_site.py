@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
 from tests.ansible.rig_site import BUNDLE_VERSION, VENV, build_site_stack, build_wheelhouse
 from tests.rig import Rig
 
-__all__ = ["BUNDLE_VERSION", "SLICE_LIMITS", "VENV", "build_offline_stacks", "site_inventory"]
+__all__ = [
+    "BUNDLE_VERSION",
+    "SLICE_LIMITS",
+    "VENV",
+    "build_offline_stacks",
+    "connection_vars",
+    "site_inventory",
+]
 
 # The trainer's and the users' slice limits, set as a site would (not the defaults, so that the
 # test sees the inventory's values reach systemd); *_bytes is how systemctl show reports them.
@@ -64,14 +72,9 @@ def build_offline_stacks(rig: Rig, work: Path) -> tuple[Path, dict[str, Path]]:
     return wheelhouse, stacks
 
 
-def site_inventory(rig: Rig, wheelhouse: Path, stacks: dict[str, Path]) -> dict[str, Any]:
-    """The rig's hosts in the example inventory's shape: mgmt + compute groups per release."""
-    public_key = rig.ssh_key_path.with_suffix(".pub").read_text().strip()
-    by_release: dict[str, list[str]] = {}
-    for host in rig.hosts:
-        assert host.release, "site_inventory is for systemd nodes"
-        by_release.setdefault(host.release, []).append(host.name)
-    connection = {
+def connection_vars(rig: Rig) -> dict[str, dict[str, str]]:
+    """How Ansible reaches each node: root over SSH with the rig's key and known hosts."""
+    return {
         h.name: {
             "ansible_host": h.ip,
             "ansible_user": "root",
@@ -82,11 +85,26 @@ def site_inventory(rig: Rig, wheelhouse: Path, stacks: dict[str, Path]) -> dict[
         }
         for h in rig.hosts
     }
+
+
+def site_inventory(rig: Rig, wheelhouse: Path, stacks: dict[str, Path]) -> dict[str, Any]:
+    """The rig's hosts in the example inventory's shape: mgmt + compute groups per release."""
+    public_key = rig.ssh_key_path.with_suffix(".pub").read_text().strip()
+    by_release: dict[str, list[str]] = {}
+    for host in rig.hosts:
+        assert host.release, "site_inventory is for systemd nodes"
+        by_release.setdefault(host.release, []).append(host.name)
+    connection = connection_vars(rig)
     mgmt = [names[0] for names in by_release.values()]
     release_groups = {
         release: {
             "hosts": {name: None for name in names},
-            "vars": {"trainer_env_site_dirs": [str(stacks[release])]}
+            "vars": {
+                "trainer_env_site_dirs": [str(stacks[release])],
+                # The bookworm stack links into this checkout's venv: where that sits under /tmp
+                # (a clone in /tmp), the sandboxed exporter needs it bound back in.
+                "rlm_exporter_read_only_paths": [sysconfig.get_paths()["purelib"]],
+            }
             | ({} if release == "bookworm" else {"trainer_env_verify": False}),
         }
         for release, names in by_release.items()

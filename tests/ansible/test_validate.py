@@ -182,3 +182,67 @@ def test_preflight_refuses_a_lockout_firewall_and_the_placeholder_key(tmp_path: 
     [placeholder] = run.failures("placeholder")
     assert "still holds the example inventory's placeholder key" in placeholder
     assert "validation failed on lockout, placeholder" in run.failures("good")[0]
+
+
+def test_preflight_refuses_half_a_tls_setting_and_a_password_in_place_of_a_hash(
+    tmp_path: Path,
+) -> None:
+    """The monitoring web settings (roles/monitoring_web) of mgmt hosts are checked before any
+    change: a certificate without its key, a missing file, a clear password where a bcrypt hash
+    belongs, a client login that is not one of the users."""
+    local = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "ansible_host": "127.0.0.1",
+    }
+    cert = tmp_path / "cert.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    hashed = "$2b$04$" + "a" * 53
+    bad = {
+        "half_tls": (
+            {"rlm_monitoring_tls_cert": str(cert)},
+            "rlm_monitoring_tls_cert and rlm_monitoring_tls_key must both be set (or neither)",
+        ),
+        "missing_key": (
+            {"rlm_monitoring_tls_cert": str(cert), "rlm_monitoring_tls_key": "/nonexistent.key"},
+            "missing: /nonexistent.key",
+        ),
+        "clear_password": (
+            {
+                "rlm_monitoring_basic_auth_users": {"ops": "hunter2"},
+                "rlm_monitoring_username": "ops",
+                "rlm_monitoring_password": "hunter2",
+            },
+            "not a hash: ops",
+        ),
+        "unknown_login": (
+            {
+                "rlm_monitoring_basic_auth_users": {"ops": hashed},
+                "rlm_monitoring_username": "grafana",
+                "rlm_monitoring_password": "x",
+            },
+            "must include rlm_monitoring_username (grafana) with rlm_monitoring_password set",
+        ),
+    }
+    good = {
+        **local,
+        "rlm_monitoring_basic_auth_users": {"ops": hashed},
+        "rlm_monitoring_username": "ops",
+        "rlm_monitoring_password": "x",
+    }
+    hosts = {name: {**local, **host_vars} for name, (host_vars, _) in bad.items()} | {"good": good}
+    inventory = {
+        "all": {
+            "children": {"mgmt": {"hosts": hosts}},
+            "vars": {"rlm_gpu_vendor": "none", "rlm_gpus_per_node": 0, "rlm_shared_fs": "none"},
+        }
+    }
+    run = run_playbook(
+        "preflight.yml", write_inventory(tmp_path / "hosts.yml", inventory), tmp_path, check=True
+    )
+    assert run.rc != 0
+    for host, (_, message) in bad.items():
+        [failure] = run.failures(host)
+        assert message in failure, (host, failure)
+        assert "hunter2" not in failure
+    assert f"validation failed on {', '.join(sorted(bad))}" in run.failures("good")[0]

@@ -108,3 +108,37 @@ def test_provisioning_applies_then_changes_nothing_and_check_mode_agrees(tmp_pat
     assert second.changed("mon") == []
     planned = run_role(tmp_path, "check", host_vars, check=True)
     assert planned.changed("mon") == []
+
+
+def test_tls_and_basic_auth_reach_the_datasource_and_stay_out_of_the_output(
+    tmp_path: Path,
+) -> None:
+    """With the site's rlm_monitoring_* settings Grafana reaches Prometheus over HTTPS on
+    loopback, checks its certificate with the site's CA against the mgmt host's name and logs in;
+    the CA and password go to secureJsonData, and no password shows in the play's output."""
+    root = tmp_path / "root"
+    ca = tmp_path / "site-ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB-test-ca\n-----END CERTIFICATE-----\n")
+    host_vars = {
+        **provisioning_vars(root),
+        "grafana_install_package": False,
+        "rlm_os_family": "Debian",
+        "rlm_monitoring_tls_cert": str(tmp_path / "cert.pem"),
+        "rlm_monitoring_tls_ca": str(ca),
+        "rlm_monitoring_username": "grafana-reader",
+        "rlm_monitoring_password": "pw-for-the-test",
+    }
+    del host_vars["grafana_prometheus_url"]  # the role's own: https on loopback
+    result = run_role(tmp_path, "tls", host_vars, check=False)
+    datasource = yaml.safe_load((root / "provisioning/datasources/rlm-ops.yml").read_text())
+    [source] = datasource["datasources"]
+    assert source["url"] == "https://127.0.0.1:9090"
+    assert source["jsonData"]["serverName"] == "mon"  # the inventory name by default
+    assert source["jsonData"]["tlsAuthWithCACert"] is True
+    assert source["jsonData"]["timeInterval"] == "15s"  # the bundle's settings stay
+    assert source["basicAuth"] is True and source["basicAuthUser"] == "grafana-reader"
+    assert source["secureJsonData"] == {
+        "tlsCACert": ca.read_text().rstrip("\n"),
+        "basicAuthPassword": "pw-for-the-test",
+    }
+    assert "pw-for-the-test" not in json.dumps(result.report) + result.stderr

@@ -66,15 +66,19 @@ def reloads(base: str) -> float:
 def test_lifecycle_and_admin_endpoints_are_off_and_sighup_reloads(tmp_path: Path) -> None:
     config = tmp_path / "prometheus.yml"
     config.write_text("global: {scrape_interval: 1m}\n")
+    # What roles/monitoring_web writes with TLS and basic auth off (the default): plain HTTP.
+    (tmp_path / "web-config.yml").write_text("{}\n")
     listen = f"127.0.0.1:{free_port()}"
     argv = role_argv(
         prometheus_binary=shutil.which("prometheus"),
         prometheus_config_dir=str(tmp_path),
+        prometheus_web_dir=str(tmp_path),
         prometheus_storage_dir=str(tmp_path / "data"),
         prometheus_retention="1d",
         prometheus_listen=listen,
     )
     assert not any("enable-lifecycle" in a or "enable-admin-api" in a for a in argv)
+    assert f"--web.config.file={tmp_path / 'web-config.yml'}" in argv
     base = f"http://{listen}"
     with open(tmp_path / "log", "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
