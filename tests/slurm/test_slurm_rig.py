@@ -25,11 +25,12 @@ from tests.slurm.slurm_rig import (
     SITE_TAGS,
     SLOT,
     SLURM_TAGS,
+    install_ledger_hooks,
     remount_cgroups_writable,
     slurm_inventory,
 )
 from tests.test_rig_systemd import systemd_unavailable
-from trainer.rundir import RunDir
+from trainer.rundir import RunDir, read_jsonl
 
 pytestmark = [pytest.mark.rig, pytest.mark.timeout(1800)]
 COMPUTE = ("node2", "node3", "node4")
@@ -84,6 +85,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 capture_output=True,
                 cwd=REPO,
             )
+            install_ledger_hooks(rig, REPO)
         yield Cluster(rig, check, first, second, first_s, second_s, inventory)
 
 
@@ -247,6 +249,90 @@ def test_resume_after_stop_finishes_in_the_same_run_directory(cluster: Cluster) 
     assert sorted(logged) == list(range(1, steps + 1)), logged
     again = rlmctl("-i", str(cluster.inventory), "resume", run, timeout=60)
     assert again.returncode != 0 and "is done" in again.stderr, again.stderr
+
+
+def hostnames(cluster: Cluster, nodelist: str) -> list[str]:
+    return cluster.rig.exec("node1", f"scontrol show hostnames {nodelist}").stdout.split()
+
+
+def ledger_lineage(run_dir: Path) -> dict[int, list[int]]:
+    """The global sample positions of each step (0-based) in the run's lineage, over every rank:
+    each job's steps up to where the next one resumed (it re-trains the steps after that
+    checkpoint, which the dead job's survivors may have trained already)."""
+    by_step: dict[int, list[int]] = {}
+    for path in sorted(run_dir.glob("ledger-rank*.jsonl")):
+        attempts: list[list[dict]] = []
+        for record in read_jsonl(path):
+            if not attempts or record["step"] <= attempts[-1][-1]["step"]:
+                attempts.append([])  # a new job started over from its checkpoint
+            attempts[-1].append(record)
+        for attempt, after in zip(attempts, [*attempts[1:], None], strict=True):
+            end = after[0]["step"] if after else None
+            for record in attempt:
+                if end is None or record["step"] < end:
+                    by_step.setdefault(record["step"], []).extend(record["positions"])
+    return by_step
+
+
+def test_watch_resubmits_a_failed_job_without_the_node_it_failed_on(cluster: Cluster) -> None:
+    """The trainer SIGKILLed on one node of a 2-node job: the job fails, `watch` names that node
+    (its exit record came first), resubmits with it excluded, and the run finishes from its
+    checkpoint on the two other nodes with the same global batch; the sample ledger holds every
+    sample of the run's lineage exactly once."""
+    assert cluster.first.rc == 0
+    rig, run, steps = cluster.rig, "slurm-watch", 150
+    overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=5"]
+    argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2"]
+    launched = rlmctl("-i", str(cluster.inventory), *argv, *overrides, timeout=180)
+    assert launched.returncode == 0, launched.stderr
+    watch = ["watch", run, "--poll", "1", "--backoff", "1", "--stall", "180"]
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "rlmctl", "-i", str(cluster.inventory), *watch],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        first = wait_for(
+            lambda: (
+                (s := status_of(cluster, run))
+                and s["slurm"]["state"] == "RUNNING"
+                and ((s.get("checkpoint") or {}).get("step") or 0) >= 5
+                and s
+            ),
+            240,
+            "a checkpoint of the first job",
+        )
+        victim = hostnames(cluster, first["slurm"]["nodes"])[-1]
+        # torchrun and its worker; the node's wrapper (the batch script's) lives on to tell.
+        rig.exec(victim, "pkill -KILL -f '[t]rainer train'")
+        output, _ = watcher.communicate(timeout=420)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
+    assert watcher.returncode == 0, output
+    final = status_of(cluster, run)
+    assert final["state"] == "done" and final["step"] == steps, (final, output)
+    assert final["slurm"]["job_id"] != first["slurm"]["job_id"], output
+    assert final["slurm"]["state"] == "COMPLETED", final
+    second = hostnames(cluster, final["slurm"]["nodes"])
+    assert victim not in second and len(second) == 2, (victim, second)
+    run_dir = RunDir(Path(final["run_dir"]))
+    events = run_dir.events()
+    failures = [e for e in events if e.kind == "failure"]
+    assert len(failures) == 1 and failures[0].fields["nodes"] == [victim], (failures, output)
+    assert failures[0].fields["job_id"] == first["slurm"]["job_id"]
+    assert [e.fields["hosts"] for e in events if e.kind == "excluded"] == [[victim]]
+    # The resumed job started from a checkpoint of the first (interval 5), with the same batch.
+    by_step = ledger_lineage(run_dir.path)
+    assert sorted(by_step) == list(range(steps))
+    global_batch = 8
+    for step, positions in by_step.items():
+        expected = list(range(step * global_batch, (step + 1) * global_batch))
+        assert sorted(positions) == expected, f"step {step}: {sorted(positions)}"
+    assert run_dir.restarts() >= 1
 
 
 def registry_rows(cluster: Cluster) -> list[str]:
