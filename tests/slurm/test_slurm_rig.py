@@ -515,6 +515,60 @@ def test_the_prolog_gate_drains_a_failing_node_and_the_job_does_not_run_there(
     )
 
 
+def job_gone(cluster: Cluster, job: str) -> bool:
+    """Slurm no longer holds the job: it ended and its epilog finished (COMPLETING until then)."""
+    return not cluster.rig.exec(
+        "node1", f"squeue --noheader --jobs {job} --format=%T"
+    ).stdout.strip()
+
+
+def test_the_epilog_cleans_up_after_a_user_once_their_last_job_on_the_node_ends(
+    cluster: Cluster,
+) -> None:
+    """A process of the job's user started outside any job (Slurm's proctrack cannot see it) and
+    a file of that user in /dev/shm: the epilog leaves both while another job of the user runs on
+    the node, and removes both when that last job ends; another user's process stays."""
+    assert cluster.first.rc == 0
+    rig, uid = cluster.rig, 3001
+    for host in rig.hosts:
+        rig.exec(host, f"id rlmjob >/dev/null 2>&1 || useradd --uid {uid} --no-create-home rlmjob")
+    quiet = "</dev/null >/dev/null 2>&1 &"
+    rig.exec(
+        "node3",
+        f"runuser -u rlmjob -- setsid sleep 6061 {quiet} "
+        f"runuser -u nobody -- setsid sleep 6062 {quiet} "
+        "runuser -u rlmjob -- touch /dev/shm/rlm-epilog-stray && touch /dev/shm/rlm-epilog-root",
+    )
+
+    def alive(pattern: str) -> bool:
+        return bool(rig.exec("node3", f"pgrep -f '{pattern}' || true").stdout.strip())
+
+    def exists(path: str) -> bool:
+        return rig.exec("node3", f"test -e {path}", check=False).returncode == 0
+
+    wait_for(lambda: alive("[s]leep 6061") and alive("[s]leep 6062"), 30, "the stray processes")
+    submit = (
+        "runuser -u rlmjob -- sbatch --parsable --nodelist=node3 --mem=100M --chdir=/tmp "
+        "--output=/dev/null --wrap"
+    )
+    holder = rig.exec("node1", f"{submit} 'sleep 300'").stdout.strip()
+    try:
+        wait_for(lambda: job_state(cluster, holder) == "RUNNING", 60, f"job {holder} running")
+        short = rig.exec("node1", f"{submit} true").stdout.strip()
+        wait_for(lambda: job_gone(cluster, short), 60, f"job {short} and its epilog to end")
+        assert alive("[s]leep 6061") and exists("/dev/shm/rlm-epilog-stray")
+    finally:
+        rig.exec("node1", f"scancel {holder}")
+    wait_for(lambda: job_gone(cluster, holder), 120, f"job {holder} and its epilog to end")
+    assert not alive("[s]leep 6061")
+    assert not exists("/dev/shm/rlm-epilog-stray")
+    assert alive("[s]leep 6062") and exists("/dev/shm/rlm-epilog-root")
+    journal = rig.exec("node3", "journalctl -t rlm-slurm-epilog --no-pager").stdout
+    assert f"job {short}: uid {uid} still has job {holder} here" in journal, journal
+    assert f"job {holder}: removed /dev/shm/rlm-epilog-stray" in journal, journal
+    rig.exec("node3", "pkill -f '[s]leep 6062'; rm -f /dev/shm/rlm-epilog-root", check=False)
+
+
 def compute_nodes_idle(cluster: Cluster) -> bool:
     out = cluster.rig.exec("node1", "sinfo --noheader --Node --format='%N %T' || true").stdout
     return sorted(out.split("\n")[:-1]) == [f"{n} idle" for n in COMPUTE]
