@@ -62,8 +62,12 @@ def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
     gpu_host = dataclasses.replace(host, gpu_vendor="amd")
     gpu_script = slurm.render(config, "exp1", 4, 8, "gpu", "12:00:00", gpu_host, exclude=["n3"])
     assert "#SBATCH --gpus-per-node=8" in gpu_script and "#SBATCH --exclude=n3" in gpu_script
-    assert '--rdzv-endpoint="$head_node:29573"' in script and "--nproc-per-node=8" in script
-    assert 'run_dir="$RUN_DIR"' in script and str(host.runs_dir / "exp1") in script
+    assert '"--rdzv-endpoint", env["head_node"] + ":29573"' in script
+    assert "'--nproc-per-node', '8'" in script and "#SBATCH --signal=B:TERM@120" in script
+    assert '"run_dir=" + env["RUN_DIR"]' in script and str(host.runs_dir / "exp1") in script
+    # A short limit is signalled a third of it early, so the job trains before its signal.
+    short = slurm.render(config, "exp1", 4, 8, "gpu", "3", host)
+    assert "#SBATCH --signal=B:TERM@60" in short
     syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert syntax.returncode == 0, syntax.stderr
     result = rlmctl("-i", str(local_inventory), "slurm", "--config", str(config), "--nodes", "2")
@@ -137,44 +141,43 @@ def test_slurm_script_requeues_only_a_run_stopped_by_the_time_limit_signal(
 
 
 def node_wrapper(local_inventory: Path, tmp_path: Path, trainer: str) -> Path:
-    """The batch script's per-node wrapper with `trainer` (a shell script) in torchrun's place."""
+    """The batch script's per-node wrapper with `trainer` (a shell command) in torchrun's place."""
     host = load(local_inventory).select()[0]
     script = slurm.render(REPO / "trainer/configs/tiny.yaml", "sl", 2, 1, None, "1:00:00", host)
     body = script.split("<<'RLM_NODE_SCRIPT'\n", 1)[1].split("RLM_NODE_SCRIPT\n", 1)[0]
-    stand_in = tmp_path / "torchrun"
-    stand_in.write_text(f"#!/bin/sh\n{trainer}\n")
-    stand_in.chmod(0o755)
-    wrapper = tmp_path / "node.sh"
-    wrapper.write_text(body.replace(f"{host.python} -m torch.distributed.run", str(stand_in)))
+    line = next(x for x in body.splitlines() if x.startswith("argv = [sys.executable"))
+    # torchrun's own arguments follow the command: `sh -c` takes them as $0, $1, ...
+    wrapper = tmp_path / "node.py"
+    wrapper.write_text(body.replace(line, f"argv = ['/bin/sh', '-c', {trainer!r}, 'x']"))
     return wrapper
 
 
-def pgrep_group(pgid: int) -> list[str]:
-    return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+def children(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
 
 
 @pytest.mark.parametrize(
     ("trainer", "signal_it", "code", "signalled"),
-    [("exit 0", False, 0, False), ("exit 3", False, 3, False), ("sleep 30", True, 143, True)],
+    [("exit 0", False, 0, False), ("exit 3", False, 3, False), ("exec sleep 30", True, 143, True)],
     ids=["finished", "failed", "signalled"],
 )
 def test_the_node_wrapper_records_its_torchruns_exit(
     local_inventory: Path, tmp_path: Path, trainer: str, signal_it: bool, code: int, signalled: bool
 ) -> None:
     """Each node's record (hosts/<node>/exit.json) is what watch reads to find the node a job
-    failed on: torchrun's exit code, when, for which job, and whether Slurm had signalled it."""
+    failed on: torchrun's exit code, when, for which job, and whether Slurm had signalled it.
+    Slurm signals the task alone (the wrapper): it passes SIGTERM on to torchrun."""
     wrapper = node_wrapper(local_inventory, tmp_path, trainer)
     run_dir = tmp_path / "run"
     env = {**os.environ, "RUN_DIR": str(run_dir), "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"}
     env.update({"SLURM_JOB_NUM_NODES": "2", "head_node": "n1"})
-    # Its own process group, as under slurmstepd: a signal reaches the wrapper and torchrun.
-    node = subprocess.Popen(["bash", str(wrapper)], env=env, start_new_session=True)
+    node = subprocess.Popen([sys.executable, str(wrapper)], env=env, cwd=REPO)
     if signal_it:
         deadline = time.monotonic() + 30
-        while len(pgrep_group(node.pid)) < 3:  # bash, the stand-in and its sleep
+        while not children(node.pid):
             assert time.monotonic() < deadline, "the stand-in torchrun never started"
             time.sleep(0.05)
-        os.killpg(node.pid, signal.SIGTERM)
+        node.send_signal(signal.SIGTERM)
     assert node.wait(timeout=60) == code
     record = json.loads((run_dir / "hosts/n2/exit.json").read_text())
     assert record["exit_code"] == code and record["job_id"] == "7"

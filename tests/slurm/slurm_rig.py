@@ -35,10 +35,11 @@ HEALTH_INTERVAL_S = 20
 # <run>/ledger-rank<r>.jsonl (the test hook of tests/trainer/faults.py). The jobs' workers import
 # it from the shared directory, their working directory (`install_ledger_hooks`); the batch
 # script exports rlm_comm_env to them.
-LEDGER_ENV = {
-    HOOKS_ENV: "tests.trainer.faults:from_env",
-    FAULTS_ENV: json.dumps(asdict(Faults(ledger=True))),
-}
+LEDGER = asdict(Faults(ledger=True))
+LEDGER_ENV = {HOOKS_ENV: "tests.trainer.faults:from_env", FAULTS_ENV: json.dumps(LEDGER)}
+# The same with every step held back on rank 0 (two micro-batches of 0.35 s: at most ~1.4 steps/s whatever the load), for a
+# run that must not reach its end before a signal (tests/slurm's time-limit test).
+PACED_ENV = {**LEDGER_ENV, FAULTS_ENV: json.dumps({**LEDGER, "slow_rank": 0, "slow_s": 0.35})}
 HOOK_FILES = (
     "tests/__init__.py",
     "tests/trainer/__init__.py",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.ansible.playbook_run import REPO, PlaybookRun, run_playbook, write_inventory
 from tests.rig import Rig
@@ -22,6 +23,7 @@ from tests.slurm.slurm_rig import (
     CHECK_TAGS,
     HEALTH_INTERVAL_S,
     NODES,
+    PACED_ENV,
     SITE_TAGS,
     SLOT,
     SLURM_TAGS,
@@ -326,13 +328,66 @@ def test_watch_resubmits_a_failed_job_without_the_node_it_failed_on(cluster: Clu
     assert failures[0].fields["job_id"] == first["slurm"]["job_id"]
     assert [e.fields["hosts"] for e in events if e.kind == "excluded"] == [[victim]]
     # The resumed job started from a checkpoint of the first (interval 5), with the same batch.
-    by_step = ledger_lineage(run_dir.path)
+    assert_ledger_exact(run_dir.path, steps)
+    assert run_dir.restarts() >= 1
+
+
+def assert_ledger_exact(run_dir: Path, steps: int, global_batch: int = 8) -> None:
+    """Every global sample position of the run's lineage trained exactly once."""
+    by_step = ledger_lineage(run_dir)
     assert sorted(by_step) == list(range(steps))
-    global_batch = 8
     for step, positions in by_step.items():
         expected = list(range(step * global_batch, (step + 1) * global_batch))
         assert sorted(positions) == expected, f"step {step}: {sorted(positions)}"
-    assert run_dir.restarts() >= 1
+
+
+def test_a_short_time_limit_checkpoints_on_the_signal_requeues_and_finishes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`--time 3`: Slurm signals the batch shell 60 s before the limit (a third of it, up to a
+    minute early), the trainers save and stop, the job requeues under its own id and resumes
+    from that checkpoint. The run's steps are held back (PACED_ENV) so that it cannot end first;
+    once requeued, the test lifts the limit and Slurm's requeue hold so the rest runs at once."""
+    assert cluster.first.rc == 0
+    rig, run, steps = cluster.rig, "slurm-time-limit", 200
+    paced = yaml.safe_load(cluster.inventory.read_text())
+    paced["all"]["vars"]["rlm_comm_env"] = PACED_ENV
+    inventory = tmp_path / "paced.yml"
+    inventory.write_text(yaml.safe_dump(paced))
+    overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=1000"]
+    argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2", "--time", "3", "--json"]
+    launched = rlmctl("-i", str(inventory), *argv, *overrides, timeout=180)
+    assert launched.returncode == 0, launched.stderr
+    job = json.loads(launched.stdout)["job_id"]
+    requeued = wait_for(
+        lambda: (
+            (s := status_of(cluster, run))
+            and s["slurm"]["state"] == "PENDING"
+            and s["state"] == "stopped"
+            and s
+        ),
+        300,
+        "the job requeued after the time-limit signal",
+        lambda: json.dumps(status_of(cluster, run)),
+    )
+    saved = requeued["checkpoint"]["step"]
+    assert requeued["checkpoint"]["valid"] and 0 < saved < steps, requeued
+    rig.exec("node1", f"scontrol update JobId={job} TimeLimit=30 StartTime=now")
+    final = wait_for(
+        lambda: (s := status_of(cluster, run)) and s["slurm"]["state"] == "COMPLETED" and s,
+        480,
+        "the requeued job to complete",
+    )
+    assert final["state"] == "done" and final["step"] == steps, final
+    assert final["slurm"]["job_id"] == job  # the same job, back from the queue
+    shown = rig.exec("node1", f"scontrol show job {job}").stdout
+    assert "Restarts=1" in shown, shown
+    run_dir = RunDir(Path(final["run_dir"]))
+    output = (run_dir.path / f"slurm-{job}.out").read_text()
+    assert "SIGTERM: stopping after this step and saving a checkpoint" in output
+    starts = [r["step"] for r in read_jsonl(run_dir.path / "ledger-rank0.jsonl")]
+    assert saved in starts and starts[starts.index(saved) - 1] == saved - 1  # resumed there
+    assert_ledger_exact(run_dir.path, steps)
 
 
 def registry_rows(cluster: Cluster) -> list[str]:
