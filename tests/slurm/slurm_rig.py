@@ -37,8 +37,9 @@ HEALTH_INTERVAL_S = 20
 # script exports rlm_comm_env to them.
 LEDGER = asdict(Faults(ledger=True))
 LEDGER_ENV = {HOOKS_ENV: "tests.trainer.faults:from_env", FAULTS_ENV: json.dumps(LEDGER)}
-# The same with every step held back on rank 0 (two micro-batches of 0.35 s: at most ~1.4 steps/s whatever the load), for a
-# run that must not reach its end before a signal (tests/slurm's time-limit test).
+# The same with every step held back on rank 0 (two micro-batches of 0.35 s: at most ~1.4
+# steps/s whatever the load), for a run that must not reach its end before a signal (the
+# time-limit test).
 PACED_ENV = {**LEDGER_ENV, FAULTS_ENV: json.dumps({**LEDGER, "slow_rank": 0, "slow_s": 0.35})}
 HOOK_FILES = (
     "tests/__init__.py",
