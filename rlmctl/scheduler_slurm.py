@@ -26,7 +26,7 @@ from rlmctl.records import HostStop, Launched, RunStatus, StopResult
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet, Result
 from rlmctl.scheduler import LaunchRequest, Say, Site
-from trainer.rundir import RunDir, read_json, write_json_atomic
+from trainer.rundir import RunDir, RunState, read_json, write_json_atomic
 
 if TYPE_CHECKING:
     from rlmctl.supervise import WatchPolicy
@@ -393,6 +393,169 @@ def node_checks(fleet: Fleet, inventory: Inventory, report: Report) -> None:
             host.checks.append(Check("slurm", OK, detail))
 
 
+# watch --------------------------------------------------------------------------------------------
+def failed_nodes(fleet: Fleet, inventory: Inventory, run: RunDir, ended: Job) -> list[str]:
+    """The nodes a failed job must not get again, from each node's exit record
+    (hosts/<node>/exit.json, written by the batch script's node wrapper when its torchrun ends):
+    the node whose trainer ended first with a non-zero code before anyone signalled it (the
+    others were brought down after it: `srun --kill-on-bad-exit`, or a collective with the dead
+    peer); failing that, the job's nodes with no record (the wrapper itself was lost with its
+    node); and the job's nodes that Slurm now has drained or down."""
+    nodes = job_nodes(fleet, inventory, ended)
+    records = exit_records(run, ended.job_id, nodes)
+    first = sorted(
+        (float(r["time"]), node)
+        for node, r in records.items()
+        if r["exit_code"] != 0 and r.get("signalled") is not True
+    )
+    bad = {first[0][1]} if first else {n for n in nodes if n not in records}
+    if nodes:
+        states = run_slurm(
+            fleet,
+            submit_host(inventory),
+            ["sinfo", "--noheader", "--Node", f"--nodes={','.join(nodes)}", "--format=%N|%T"],
+            "sinfo failed",
+        ).stdout
+        for row in states.splitlines():
+            node, _, state = row.strip().partition("|")
+            if state.startswith(("drain", "down", "fail")):
+                bad.add(node)
+    return sorted(bad)
+
+
+def job_nodes(fleet: Fleet, inventory: Inventory, ended: Job) -> list[str]:
+    """The node names of the job's allocation (Slurm's compressed `node[2-3]` expanded)."""
+    if not ended.nodes or ended.nodes in ("None assigned", "(null)"):
+        return []
+    return run_slurm(
+        fleet,
+        submit_host(inventory),
+        ["scontrol", "show", "hostnames", ended.nodes],
+        "scontrol failed",
+    ).stdout.split()
+
+
+def exit_records(run: RunDir, job_id: str, nodes: list[str]) -> dict[str, dict[str, Any]]:
+    """Each node's exit record of job `job_id`."""
+    records = {}
+    for node in nodes:
+        record = read_json(run.exit_record_path(node))
+        if (
+            isinstance(record, dict)
+            and str(record.get("job_id")) == job_id
+            and isinstance(record.get("exit_code"), int)
+            and isinstance(record.get("time"), int | float)
+        ):
+            records[node] = record
+    return records
+
+
+def _stop_requested_since(run: RunDir, since: float) -> bool:
+    return any(e.kind == "stop_requested" and e.time >= since for e in run.events())
+
+
+def follow(
+    fleet: Fleet,
+    inventory: Inventory,
+    run: RunDir,
+    job_id: str,
+    since: float,
+    policy: WatchPolicy,
+    say: Say,
+) -> tuple[Job | None, str | None]:
+    """Poll the job until Slurm ends it: (the ended job, None), or (None, why) when the run was
+    stopped (rlmctl stop). A running job without a new step for `policy.stall_s` is cancelled
+    and returned as ended."""
+    last_step, last_change = None, time.monotonic()
+    while True:
+        current = job(fleet, inventory, job_id)
+        if _stop_requested_since(run, since):
+            return None, f"run {run.name} was stopped (rlmctl stop)"
+        if current.ended or not current.state:
+            return current, None
+        step = run.status().step
+        if step != last_step or current.state != "RUNNING":  # pending/requeued: no clock
+            if step != last_step and last_step is not None:
+                say(f"step {step} loss {run.status().loss}")
+            last_step, last_change = step, time.monotonic()
+        elif time.monotonic() - last_change > policy.stall_s:
+            run_slurm(fleet, submit_host(inventory), ["scancel", job_id], "scancel failed")
+            return Job(job_id, "CANCELLED", reason="hang"), None
+        time.sleep(policy.poll_s)  # the supervisor's polling interval, not a synchronisation
+
+
+def watch(
+    fleet: Fleet,
+    inventory: Inventory,
+    hosts: list[Host],
+    registry: Registry,
+    name: str,
+    policy: WatchPolicy,
+    say: Say,
+) -> int:
+    """`rlmctl watch` under Slurm: follow the run's job; when it ends without the run done,
+    decide from the trainer's exit code, and resubmit (`resume`) from the newest verified
+    checkpoint with every node that failed a job of the run excluded, within the restart budget.
+    Requeues (time limit, preemption) are Slurm's: the same job comes back, watch keeps
+    following it. Every decision is an event in the run directory (failure, excluded, gave_up)."""
+    from rlmctl import launch as launching
+
+    run = run_dir_of(registry, name)
+    restarts = 0
+    excluded = {h for e in run.events() if e.kind == "excluded" for h in e.fields.get("hosts", [])}
+    while True:
+        job_id = job_id_of(run)
+        if job_id is None:
+            raise RlmctlError(f"run {name} has no Slurm job recorded ({run.path / JOB_FILE})")
+        since = registry.launches(name)[-1]["time"]
+        say(f"following Slurm job {job_id} of run {name}")
+        ended, stopped = follow(fleet, inventory, run, job_id, since, policy, say)
+        if stopped:
+            say(stopped)
+            return 0
+        if run.state() is RunState.DONE:
+            say(f"run {name} done at step {run.status().step}")
+            return 0
+        code = launching.exit_code(run, job_nodes(fleet, inventory, ended), since)
+        bad = failed_nodes(fleet, inventory, run, ended)
+        where = f" (failed on {', '.join(bad)})" if bad else ""
+        failure = f"Slurm job {job_id} ended {ended.state or 'unknown'} {ended.exit_code}{where}"
+        run.append_event(
+            "failure",
+            reason=failure,
+            exit_code=code,
+            step=run.status().step,
+            job_id=job_id,
+            nodes=bad,
+        )
+        say(f"failure: {failure}")
+        if not launching.restartable(code):
+            return _give_up(
+                run, f"exit code {code} is not restartable (see rlmctl logs {name})", say
+            )
+        if restarts >= policy.max_restarts:
+            return _give_up(run, f"restart budget of {policy.max_restarts} used up", say)
+        new = sorted(set(bad) - excluded)
+        if new:
+            excluded |= set(new)
+            run.append_event("excluded", hosts=new, reason=f"failed in Slurm job {job_id}")
+        delay = policy.backoff_s * 2**restarts
+        restarts += 1
+        say(f"restart {restarts}/{policy.max_restarts} in {delay:g} s (exit code {code})")
+        time.sleep(delay)  # back-off policy: give a flapping node or filesystem time to recover
+        try:
+            new_job = resume(fleet, inventory, hosts, registry, name, sorted(excluded), say)
+        except RlmctlError as error:  # every node excluded, batch no longer divides, ...
+            return _give_up(run, str(error), say)
+        say(f"resubmitted as Slurm job {new_job}, excluding {', '.join(sorted(excluded)) or '-'}")
+
+
+def _give_up(run: RunDir, message: str, say: Say) -> int:
+    run.record("gave_up", reason=message)
+    say(f"giving up: {message}")
+    return 1
+
+
 # the scheduler interface --------------------------------------------------------------------------
 class SlurmScheduler:
     """rlmctl.scheduler.Scheduler for `rlm_scheduler: slurm`: every Slurm command runs on the
@@ -443,10 +606,9 @@ class SlurmScheduler:
         return Launched(run, str(run_dir.path), [], "", kind="resume", job_id=job_id)
 
     def watch(self, run: str, policy: WatchPolicy, say: Say) -> int:
-        raise RlmctlError(
-            f"rlmctl watch does not drive Slurm jobs yet (rlm_scheduler: slurm); follow {run} "
-            f"with `rlmctl status {run}` and resubmit with `rlmctl resume {run}`"
-        )
+        site = self.site
+        with site.registry() as registry, site.fleet([]) as fleet:
+            return watch(fleet, site.inventory(), site.hosts(), registry, run, policy, say)
 
     def node_checks(self, fleet: Fleet, report: Report) -> None:
         node_checks(fleet, self.site.inventory(), report)

@@ -1,20 +1,60 @@
 """`rlmctl slurm`: an sbatch script for sites where Slurm, not SSH, starts the job.
 
-One srun task per node runs torchrun; the c10d rendezvous sits on the allocation's first node and
-the job id is the rendezvous id. Slurm's `--signal=TERM@120` reaches torchrun on every node two
-minutes before the time limit; torchrun passes SIGTERM on to its workers, which finish the step,
-save a checkpoint and exit. torchrun's own exit code cannot tell that from a crash, so the script
-asks the run directory (`stopped_before_end`) and requeues the job, which then resumes from the
-newest checkpoint in the same run directory.
+One srun task per node runs a small wrapper (`<run>/slurm-node.py`, written by the script) that
+runs torchrun; the c10d rendezvous sits on the allocation's first node and the job id is the
+rendezvous id. The wrapper writes the node's exit record (`hosts/<node>/exit.json`: torchrun's
+exit code, when, the job id, whether Slurm had signalled it first), from which `rlmctl watch`
+tells the node a job failed on from the nodes `srun --kill-on-bad-exit` brought down after it.
+
+Slurm's `--signal=B:TERM@120` reaches the batch shell alone, two minutes before the time limit
+(a third of a limit under six minutes);
+it remembers that and passes SIGTERM on to the training step, whose trainers finish the step,
+save a checkpoint and exit. torchrun's exit code cannot tell that from a crash, so the script
+asks the run directory (`stopped_before_end`) and requeues the job only when it had that
+signal: the job then resumes from the newest checkpoint in the same run directory. A trainer
+that saved and stopped because srun signalled it after a peer died is a failure (the job ends
+FAILED), for `watch` to resubmit without the failed node.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
 from rlmctl.errors import RlmctlError
 from rlmctl.inventory import Host
+
+# Slurm's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+SIGNAL_LEAD_S = 120  # the time-limit signal this long before the limit: time to checkpoint
+
+
+def time_limit_seconds(text: str) -> int:
+    """Slurm's --time in seconds; a form Slurm does not take is a one-line error."""
+    if text.strip().upper() in ("INFINITE", "UNLIMITED"):
+        return 2**31
+    match = TIME_RE.match(text.strip())
+    if not match:
+        raise RlmctlError(
+            f"--time {text!r} is not a Slurm time limit; use minutes, HH:MM:SS or D-HH:MM:SS"
+        )
+    days, first, second, third = match.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if third is not None:  # HH:MM:SS
+        return (int(first) * 60 + int(second)) * 60 + int(third)
+    if second is not None:  # MM:SS
+        return int(first) * 60 + int(second)
+    return int(first) * 60  # minutes
+
+
+def signal_lead_s(time_limit: str) -> int:
+    """Seconds before the time limit that the batch shell gets SIGTERM: two minutes, or a third
+    of a limit under six (Slurm may signal up to a minute early: a short debug job still trains
+    before its signal)."""
+    return min(SIGNAL_LEAD_S, time_limit_seconds(time_limit) // 3)
 
 
 def render(
@@ -43,8 +83,9 @@ def render(
         "--exclusive",
         f"--time={time_limit}",
         f"--output={run_dir}/slurm-%j.out",
+        "--open-mode=append",  # a requeued job keeps its earlier attempts' output
         f"--chdir={host.shared_dir}",  # relative data paths mean what they mean over SSH
-        "--signal=TERM@120",
+        f"--signal=B:TERM@{signal_lead_s(time_limit)}",
         "--requeue",
     ]
     if host.gpu_vendor != "none":  # CPU nodes have no gres/gpu; one worker per "GPU" slot
@@ -58,27 +99,92 @@ def render(
     resume = ""
     if resume_from:
         resume = (
-            f'resume=auto\nif [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then '
-            f"resume={q(resume_from)}; fi\n"
+            f'RLM_RESUME=auto\nif [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then '
+            f"RLM_RESUME={q(resume_from)}; fi\n"
         )
     exports = "".join(f"export {k}={q(v)}\n" for k, v in sorted(host.comm_env.items()))
+    torchrun = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(gpus_per_node),
+        "--rdzv-backend=c10d",
+        "--max-restarts=0",
+        "-m",
+        "trainer",
+        "train",
+        "--config",
+        str(config.resolve()),
+    ]
+    node = f"""# Run {name}, one per node (srun): this node's torchrun, then its exit record in the run
+# directory (written by the job's batch script). The record tells `rlmctl watch` where a job
+# failed first; this wrapper is not the trainer's command line, so it outlives a killed trainer.
+# Slurm signals the task (this process), not its children: SIGTERM is passed on to torchrun,
+# which passes it on to its workers.
+import os, signal, subprocess, sys, time
+from trainer.rundir import RunDir, write_json_atomic
+
+env = os.environ
+argv = [sys.executable, *{torchrun!r}]
+argv[3:3] = ["--nnodes", env["SLURM_JOB_NUM_NODES"], "--rdzv-id", env["SLURM_JOB_ID"],
+             "--rdzv-endpoint", env["head_node"] + ":{host.rdzv_port}"]
+argv.append("run_dir=" + env["RUN_DIR"])
+if env.get("RLM_RESUME"):
+    argv.append("checkpoint.resume=" + env["RLM_RESUME"])
+signalled = False
+child = subprocess.Popen(argv)
+
+
+def forward(signum, frame):
+    global signalled
+    signalled = True
+    child.send_signal(signum)
+
+
+signal.signal(signal.SIGTERM, forward)
+code = child.wait()
+code = 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell says
+record = {{"exit_code": code, "time": time.time(), "job_id": env["SLURM_JOB_ID"],
+          "signalled": signalled}}
+path = RunDir(env["RUN_DIR"]).exit_record_path(env["SLURMD_NODENAME"])
+path.parent.mkdir(parents=True, exist_ok=True)
+write_json_atomic(path, record)
+sys.exit(code)
+"""
     return f"""#!/bin/bash
 # Generated by `rlmctl slurm` for run {name}: {nodes} node(s) × {gpus_per_node} GPU(s).
 {"".join(f"#SBATCH {d}{chr(10)}" for d in directives)}
 set -euo pipefail
 RUN_DIR={q(run_dir)}
 mkdir -p "$RUN_DIR"
-{resume}{exports}export PYTHONUNBUFFERED=1
+{resume}{exports}export PYTHONUNBUFFERED=1 RUN_DIR{" RLM_RESUME" if resume_from else ""}
 job_started=$(date +%s)
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export head_node
+node_script="$RUN_DIR/slurm-node.py"
+cat >"$node_script.$SLURM_JOB_ID" <<'RLM_NODE_SCRIPT'
+{node}RLM_NODE_SCRIPT
+mv -f "$node_script.$SLURM_JOB_ID" "$node_script"
+
+# The time-limit signal (--signal=B:TERM@N) comes to this shell alone: remember it, and pass
+# it on to the training step, whose trainers then checkpoint and exit. Only a job stopped by
+# this signal requeues; a trainer that stopped because a peer died is a failure.
+limit_signal=false
+on_limit_signal() {{
+  limit_signal=true
+  scancel --signal=TERM "$SLURM_JOB_ID" || true
+}}
+trap on_limit_signal TERM USR1
 
 set +e
-srun --kill-on-bad-exit=1 {q(host.python)} -m torch.distributed.run \\
-  --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={gpus_per_node} \\
-  --rdzv-backend=c10d --rdzv-endpoint="$head_node:{host.rdzv_port}" \\
-  --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \\
-  -m trainer train --config {q(str(config.resolve()))} run_dir="$RUN_DIR"{' checkpoint.resume="$resume"' if resume_from else ""}
-status=$?
+step_status=$(mktemp)
+(
+  srun --kill-on-bad-exit=1 {q(host.python)} "$node_script"
+  echo $? >"$step_status"
+) &
+until wait; do :; done  # a trap ends `wait` early; srun's code is in the file
+status=$(cat "$step_status")
+rm -f "$step_status"
 set -e
 # How the trainer ended: "asked" (an operator's `rlmctl stop`, recorded before its signal),
 # "requeue" (stopped on the time-limit or preemption signal after a checkpoint: back to the
@@ -86,8 +192,8 @@ set -e
 outcome=$({q(host.python)} -c 'import sys; from trainer.rundir import RunDir, stopped_before_end
 run = RunDir(sys.argv[1])
 asked = any(e.kind == "stop_requested" and e.time >= float(sys.argv[2]) for e in run.events())
-early = stopped_before_end(run.read_status())
-print("asked" if asked else "requeue" if early else "end")' "$RUN_DIR" "$job_started")
+early = sys.argv[3] == "true" and stopped_before_end(run.read_status())
+print("asked" if asked else "requeue" if early else "end")' "$RUN_DIR" "$job_started" "$limit_signal")
 if [ "$outcome" = asked ]; then
   scancel "$SLURM_JOB_ID"  # the trainer has checkpointed: the job ends CANCELLED, not requeued
   exit "$status"

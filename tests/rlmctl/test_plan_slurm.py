@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,8 +62,12 @@ def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
     gpu_host = dataclasses.replace(host, gpu_vendor="amd")
     gpu_script = slurm.render(config, "exp1", 4, 8, "gpu", "12:00:00", gpu_host, exclude=["n3"])
     assert "#SBATCH --gpus-per-node=8" in gpu_script and "#SBATCH --exclude=n3" in gpu_script
-    assert '--rdzv-endpoint="$head_node:29573"' in script and "--nproc-per-node=8" in script
-    assert 'run_dir="$RUN_DIR"' in script and str(host.runs_dir / "exp1") in script
+    assert '"--rdzv-endpoint", env["head_node"] + ":29573"' in script
+    assert "'--nproc-per-node', '8'" in script and "#SBATCH --signal=B:TERM@120" in script
+    assert '"run_dir=" + env["RUN_DIR"]' in script and str(host.runs_dir / "exp1") in script
+    # A short limit is signalled a third of it early, so the job trains before its signal.
+    short = slurm.render(config, "exp1", 4, 8, "gpu", "3", host)
+    assert "#SBATCH --signal=B:TERM@60" in short
     syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert syntax.returncode == 0, syntax.stderr
     result = rlmctl("-i", str(local_inventory), "slurm", "--config", str(config), "--nodes", "2")
@@ -71,26 +77,35 @@ def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "asked", "requeued", "exit_code"),
+    ("status", "asked", "limit_signal", "requeued", "exit_code"),
     [
-        ({"state": "stopped", "step": 40, "max_steps": 100}, False, True, 0),
-        ({"state": "done", "step": 100, "max_steps": 100}, False, False, 1),
+        # The time-limit signal came to the batch shell, the trainer saved and stopped: requeue.
+        ({"state": "stopped", "step": 40, "max_steps": 100}, False, True, True, 0),
+        # Stopped before its end without that signal (a peer died and srun signalled the rest,
+        # or someone signalled the step): a failure for watch, not a requeue onto the same nodes.
+        ({"state": "stopped", "step": 40, "max_steps": 100}, False, False, False, 1),
+        ({"state": "done", "step": 100, "max_steps": 100}, False, True, False, 1),
         # `rlmctl stop` recorded its request: the job ends, it does not requeue.
-        ({"state": "stopped", "step": 40, "max_steps": 100}, True, False, 1),
+        ({"state": "stopped", "step": 40, "max_steps": 100}, True, False, False, 1),
     ],
+    ids=["time-limit", "peer-failed", "done", "rlmctl-stop"],
 )
-def test_slurm_script_requeues_only_a_run_stopped_before_its_end(
+def test_slurm_script_requeues_only_a_run_stopped_by_the_time_limit_signal(
     local_inventory: Path,
     tmp_path: Path,
     status: dict,
     asked: bool,
+    limit_signal: bool,
     requeued: bool,
     exit_code: int,
 ) -> None:
     # srun and scontrol cannot run here: stand-ins on PATH play Slurm's part. srun exits 1 the
-    # way torchrun does after its workers were signalled; the run directory tells the rest.
+    # way torchrun does after its workers were signalled; before that it sends the batch shell
+    # the time-limit signal when Slurm would (--signal=B:TERM@120); the run directory tells
+    # the rest.
     host = load(local_inventory).select()[0]
     script = slurm.render(REPO / "trainer/configs/tiny.yaml", "sl", 1, 1, None, "1:00:00", host)
+    assert "#SBATCH --signal=B:TERM@120" in script
     run = RunDir(host.runs_dir / "sl").create()
     run.write_status(**status)
     bin_dir = tmp_path / "bin"
@@ -100,7 +115,10 @@ def test_slurm_script_requeues_only_a_run_stopped_before_its_end(
         f"{sys.executable} -c 'from trainer.rundir import RunDir; "
         f'RunDir("{run.path}").append_event("stop_requested")\'\n'
     )
-    (bin_dir / "srun").write_text("#!/bin/sh\n" + (record if asked else "") + "exit 1\n")
+    srun = "#!/bin/sh\n" + (record if asked else "")
+    # (to the batch shell, the parent of srun's subshell)
+    srun += "kill -TERM $(ps -o ppid= -p $PPID)\n" if limit_signal else ""
+    (bin_dir / "srun").write_text(srun + "exit 1\n")
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
     (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scancel.log\n')
     for tool in bin_dir.iterdir():
@@ -116,8 +134,55 @@ def test_slurm_script_requeues_only_a_run_stopped_before_its_end(
     assert result.returncode == exit_code, result.stderr
     calls = (tmp_path / "scontrol.log").read_text()
     assert ("requeue 42" in calls) is requeued
-    cancelled = tmp_path / "scancel.log"
-    assert (cancelled.exists() and cancelled.read_text().split() == ["42"]) is asked
+    cancels = (tmp_path / "scancel.log").read_text().splitlines() if asked or limit_signal else []
+    # The signal is passed on to the training step; a stop cancels the job once it saved.
+    assert ("--signal=TERM 42" in cancels) is limit_signal
+    assert ("42" in cancels) is asked
+
+
+def node_wrapper(local_inventory: Path, tmp_path: Path, trainer: str) -> Path:
+    """The batch script's per-node wrapper with `trainer` (a shell command) in torchrun's place."""
+    host = load(local_inventory).select()[0]
+    script = slurm.render(REPO / "trainer/configs/tiny.yaml", "sl", 2, 1, None, "1:00:00", host)
+    body = script.split("<<'RLM_NODE_SCRIPT'\n", 1)[1].split("RLM_NODE_SCRIPT\n", 1)[0]
+    line = next(x for x in body.splitlines() if x.startswith("argv = [sys.executable"))
+    # torchrun's own arguments follow the command: `sh -c` takes them as $0, $1, ...
+    wrapper = tmp_path / "node.py"
+    wrapper.write_text(body.replace(line, f"argv = ['/bin/sh', '-c', {trainer!r}, 'x']"))
+    return wrapper
+
+
+def children(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+
+
+@pytest.mark.parametrize(
+    ("trainer", "signal_it", "code", "signalled"),
+    [("exit 0", False, 0, False), ("exit 3", False, 3, False), ("exec sleep 30", True, 143, True)],
+    ids=["finished", "failed", "signalled"],
+)
+def test_the_node_wrapper_records_its_torchruns_exit(
+    local_inventory: Path, tmp_path: Path, trainer: str, signal_it: bool, code: int, signalled: bool
+) -> None:
+    """Each node's record (hosts/<node>/exit.json) is what watch reads to find the node a job
+    failed on: torchrun's exit code, when, for which job, and whether Slurm had signalled it.
+    Slurm signals the task alone (the wrapper): it passes SIGTERM on to torchrun."""
+    wrapper = node_wrapper(local_inventory, tmp_path, trainer)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RUN_DIR": str(run_dir), "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"}
+    env.update({"SLURM_JOB_NUM_NODES": "2", "head_node": "n1"})
+    node = subprocess.Popen([sys.executable, str(wrapper)], env=env, cwd=REPO)
+    if signal_it:
+        deadline = time.monotonic() + 30
+        while not children(node.pid):
+            assert time.monotonic() < deadline, "the stand-in torchrun never started"
+            time.sleep(0.05)
+        node.send_signal(signal.SIGTERM)
+    assert node.wait(timeout=60) == code
+    record = json.loads((run_dir / "hosts/n2/exit.json").read_text())
+    assert record["exit_code"] == code and record["job_id"] == "7"
+    assert record["signalled"] is signalled
+    assert abs(record["time"] - time.time()) < 60
 
 
 def slurm_inventory(local_inventory: Path) -> Path:
@@ -126,9 +191,9 @@ def slurm_inventory(local_inventory: Path) -> Path:
     return local_inventory
 
 
-def test_watch_refuses_slurm_runs_in_one_line(local_inventory: Path) -> None:
+def test_slurm_watch_of_an_unknown_run_is_one_line(local_inventory: Path) -> None:
     result = rlmctl("-i", str(slurm_inventory(local_inventory)), "watch", "some-run")
-    assert_one_line_error(result, 2, "rlmctl watch does not drive Slurm jobs yet")
+    assert_one_line_error(result, 2, "some-run")
 
 
 def test_slurm_resume_of_an_unknown_run_is_one_line(local_inventory: Path) -> None:

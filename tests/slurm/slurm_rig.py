@@ -9,11 +9,16 @@ nspawn nodes); the rig's cgroups are v1 + a cgroup2 mount, which Slurm's v2 plug
 
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tests.ansible.systemd_site import build_offline_stacks, site_inventory
 from tests.rig import Rig
+from tests.trainer.faults import FAULTS_ENV, Faults
+from trainer.hooks import HOOKS_ENV
 
 SLOT = 4  # see docs/rig.md for the slots of each module
 NODES = 4  # node1: mgmt (controller); node2..node4: compute
@@ -26,6 +31,22 @@ SITE_TAGS = "common,trainer_env,slurm"
 SLURM_TAGS = "slurm"
 CHECK_TAGS = "common,slurm"
 HEALTH_INTERVAL_S = 20
+# Every trainer of the module's jobs appends the sample positions it trains on to
+# <run>/ledger-rank<r>.jsonl (the test hook of tests/trainer/faults.py). The jobs' workers import
+# it from the shared directory, their working directory (`install_ledger_hooks`); the batch
+# script exports rlm_comm_env to them.
+LEDGER = asdict(Faults(ledger=True))
+LEDGER_ENV = {HOOKS_ENV: "tests.trainer.faults:from_env", FAULTS_ENV: json.dumps(LEDGER)}
+# The same with every step held back on rank 0 (two micro-batches of 0.35 s: at most ~1.4
+# steps/s whatever the load), for a run that must not reach its end before a signal (the
+# time-limit test).
+PACED_ENV = {**LEDGER_ENV, FAULTS_ENV: json.dumps({**LEDGER, "slow_rank": 0, "slow_s": 0.35})}
+HOOK_FILES = (
+    "tests/__init__.py",
+    "tests/trainer/__init__.py",
+    "tests/trainer/faults.py",
+    "tests/trainer/file_opens.py",
+)
 
 
 def remount_cgroups_writable(rig: Rig, host: str) -> None:
@@ -50,6 +71,15 @@ def slurm_inventory(rig: Rig, work: Path) -> dict[str, Any]:
             # Short, so that the drain test waits seconds, not Slurm's minutes; longer would
             # only cost the shared cores less (each round runs rlmctl's host checks per node).
             "slurm_health_interval": HEALTH_INTERVAL_S,
+            "rlm_comm_env": LEDGER_ENV,
         }
     )
     return inventory
+
+
+def install_ledger_hooks(rig: Rig, repo: Path) -> None:
+    """The fault hooks the jobs' trainers import (LEDGER_ENV), into the shared directory."""
+    for name in HOOK_FILES:
+        target = rig.shared_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(repo / name, target)

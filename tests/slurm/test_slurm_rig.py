@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.ansible.playbook_run import REPO, PlaybookRun, run_playbook, write_inventory
 from tests.rig import Rig
@@ -22,14 +23,16 @@ from tests.slurm.slurm_rig import (
     CHECK_TAGS,
     HEALTH_INTERVAL_S,
     NODES,
+    PACED_ENV,
     SITE_TAGS,
     SLOT,
     SLURM_TAGS,
+    install_ledger_hooks,
     remount_cgroups_writable,
     slurm_inventory,
 )
 from tests.test_rig_systemd import systemd_unavailable
-from trainer.rundir import RunDir
+from trainer.rundir import RunDir, read_jsonl
 
 pytestmark = [pytest.mark.rig, pytest.mark.timeout(1800)]
 COMPUTE = ("node2", "node3", "node4")
@@ -84,6 +87,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 capture_output=True,
                 cwd=REPO,
             )
+            install_ledger_hooks(rig, REPO)
         yield Cluster(rig, check, first, second, first_s, second_s, inventory)
 
 
@@ -247,6 +251,143 @@ def test_resume_after_stop_finishes_in_the_same_run_directory(cluster: Cluster) 
     assert sorted(logged) == list(range(1, steps + 1)), logged
     again = rlmctl("-i", str(cluster.inventory), "resume", run, timeout=60)
     assert again.returncode != 0 and "is done" in again.stderr, again.stderr
+
+
+def hostnames(cluster: Cluster, nodelist: str) -> list[str]:
+    return cluster.rig.exec("node1", f"scontrol show hostnames {nodelist}").stdout.split()
+
+
+def ledger_lineage(run_dir: Path) -> dict[int, list[int]]:
+    """The global sample positions of each step (0-based) in the run's lineage, over every rank:
+    each job's steps up to where the next one resumed (it re-trains the steps after that
+    checkpoint, which the dead job's survivors may have trained already)."""
+    by_step: dict[int, list[int]] = {}
+    for path in sorted(run_dir.glob("ledger-rank*.jsonl")):
+        attempts: list[list[dict]] = []
+        for record in read_jsonl(path):
+            if not attempts or record["step"] <= attempts[-1][-1]["step"]:
+                attempts.append([])  # a new job started over from its checkpoint
+            attempts[-1].append(record)
+        for attempt, after in zip(attempts, [*attempts[1:], None], strict=True):
+            end = after[0]["step"] if after else None
+            for record in attempt:
+                if end is None or record["step"] < end:
+                    by_step.setdefault(record["step"], []).extend(record["positions"])
+    return by_step
+
+
+def test_watch_resubmits_a_failed_job_without_the_node_it_failed_on(cluster: Cluster) -> None:
+    """The trainer SIGKILLed on one node of a 2-node job: the job fails, `watch` names that node
+    (its exit record came first), resubmits with it excluded, and the run finishes from its
+    checkpoint on the two other nodes with the same global batch; the sample ledger holds every
+    sample of the run's lineage exactly once."""
+    assert cluster.first.rc == 0
+    rig, run, steps = cluster.rig, "slurm-watch", 150
+    overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=5"]
+    argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2"]
+    launched = rlmctl("-i", str(cluster.inventory), *argv, *overrides, timeout=180)
+    assert launched.returncode == 0, launched.stderr
+    watch = ["watch", run, "--poll", "1", "--backoff", "1", "--stall", "180"]
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "rlmctl", "-i", str(cluster.inventory), *watch],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        first = wait_for(
+            lambda: (
+                (s := status_of(cluster, run))
+                and s["slurm"]["state"] == "RUNNING"
+                and ((s.get("checkpoint") or {}).get("step") or 0) >= 5
+                and s
+            ),
+            240,
+            "a checkpoint of the first job",
+        )
+        victim = hostnames(cluster, first["slurm"]["nodes"])[-1]
+        # torchrun and its worker; the node's wrapper (the batch script's) lives on to tell.
+        rig.exec(victim, "pkill -KILL -f '[t]rainer train'")
+        output, _ = watcher.communicate(timeout=420)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
+    assert watcher.returncode == 0, output
+    final = status_of(cluster, run)
+    assert final["state"] == "done" and final["step"] == steps, (final, output)
+    assert final["slurm"]["job_id"] != first["slurm"]["job_id"], output
+    assert final["slurm"]["state"] == "COMPLETED", final
+    second = hostnames(cluster, final["slurm"]["nodes"])
+    assert victim not in second and len(second) == 2, (victim, second)
+    run_dir = RunDir(Path(final["run_dir"]))
+    events = run_dir.events()
+    failures = [e for e in events if e.kind == "failure"]
+    assert len(failures) == 1 and failures[0].fields["nodes"] == [victim], (failures, output)
+    assert failures[0].fields["job_id"] == first["slurm"]["job_id"]
+    assert [e.fields["hosts"] for e in events if e.kind == "excluded"] == [[victim]]
+    # The resumed job started from a checkpoint of the first (interval 5), with the same batch.
+    assert_ledger_exact(run_dir.path, steps)
+    assert run_dir.restarts() >= 1
+
+
+def assert_ledger_exact(run_dir: Path, steps: int, global_batch: int = 8) -> None:
+    """Every global sample position of the run's lineage trained exactly once."""
+    by_step = ledger_lineage(run_dir)
+    assert sorted(by_step) == list(range(steps))
+    for step, positions in by_step.items():
+        expected = list(range(step * global_batch, (step + 1) * global_batch))
+        assert sorted(positions) == expected, f"step {step}: {sorted(positions)}"
+
+
+def test_a_short_time_limit_checkpoints_on_the_signal_requeues_and_finishes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`--time 3`: Slurm signals the batch shell 60 s before the limit (a third of it, up to a
+    minute early), the trainers save and stop, the job requeues under its own id and resumes
+    from that checkpoint. The run's steps are held back (PACED_ENV) so that it cannot end first;
+    once requeued, the test lifts the limit and Slurm's requeue hold so the rest runs at once."""
+    assert cluster.first.rc == 0
+    rig, run, steps = cluster.rig, "slurm-time-limit", 200
+    paced = yaml.safe_load(cluster.inventory.read_text())
+    paced["all"]["vars"]["rlm_comm_env"] = PACED_ENV
+    inventory = tmp_path / "paced.yml"
+    inventory.write_text(yaml.safe_dump(paced))
+    overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=1000"]
+    argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2", "--time", "3", "--json"]
+    launched = rlmctl("-i", str(inventory), *argv, *overrides, timeout=180)
+    assert launched.returncode == 0, launched.stderr
+    job = json.loads(launched.stdout)["job_id"]
+    requeued = wait_for(
+        lambda: (
+            (s := status_of(cluster, run))
+            and s["slurm"]["state"] == "PENDING"
+            and s["state"] == "stopped"
+            and s
+        ),
+        300,
+        "the job requeued after the time-limit signal",
+        lambda: json.dumps(status_of(cluster, run)),
+    )
+    saved = requeued["checkpoint"]["step"]
+    assert requeued["checkpoint"]["valid"] and 0 < saved < steps, requeued
+    rig.exec("node1", f"scontrol update JobId={job} TimeLimit=30 StartTime=now")
+    final = wait_for(
+        lambda: (s := status_of(cluster, run)) and s["slurm"]["state"] == "COMPLETED" and s,
+        480,
+        "the requeued job to complete",
+    )
+    assert final["state"] == "done" and final["step"] == steps, final
+    assert final["slurm"]["job_id"] == job  # the same job, back from the queue
+    shown = rig.exec("node1", f"scontrol show job {job}").stdout
+    assert "Restarts=1" in shown, shown
+    run_dir = RunDir(Path(final["run_dir"]))
+    output = (run_dir.path / f"slurm-{job}.out").read_text()
+    assert "SIGTERM: stopping after this step and saving a checkpoint" in output
+    starts = [r["step"] for r in read_jsonl(run_dir.path / "ledger-rank0.jsonl")]
+    assert saved in starts and starts[starts.index(saved) - 1] == saved - 1  # resumed there
+    assert_ledger_exact(run_dir.path, steps)
 
 
 def registry_rows(cluster: Cluster) -> list[str]:
@@ -427,6 +568,60 @@ def test_the_prolog_gate_drains_a_failing_node_and_the_job_does_not_run_there(
         4 * HEALTH_INTERVAL_S + 30,
         "node4 resumed by its health check",
     )
+
+
+def job_gone(cluster: Cluster, job: str) -> bool:
+    """Slurm no longer holds the job: it ended and its epilog finished (COMPLETING until then)."""
+    return not cluster.rig.exec(
+        "node1", f"squeue --noheader --jobs {job} --format=%T"
+    ).stdout.strip()
+
+
+def test_the_epilog_cleans_up_after_a_user_once_their_last_job_on_the_node_ends(
+    cluster: Cluster,
+) -> None:
+    """A process of the job's user started outside any job (Slurm's proctrack cannot see it) and
+    a file of that user in /dev/shm: the epilog leaves both while another job of the user runs on
+    the node, and removes both when that last job ends; another user's process stays."""
+    assert cluster.first.rc == 0
+    rig, uid = cluster.rig, 3001
+    for host in rig.hosts:
+        rig.exec(host, f"id rlmjob >/dev/null 2>&1 || useradd --uid {uid} --no-create-home rlmjob")
+    quiet = "</dev/null >/dev/null 2>&1 &"
+    rig.exec(
+        "node3",
+        f"runuser -u rlmjob -- setsid sleep 6061 {quiet} "
+        f"runuser -u nobody -- setsid sleep 6062 {quiet} "
+        "runuser -u rlmjob -- touch /dev/shm/rlm-epilog-stray && touch /dev/shm/rlm-epilog-root",
+    )
+
+    def alive(pattern: str) -> bool:
+        return bool(rig.exec("node3", f"pgrep -f '{pattern}' || true").stdout.strip())
+
+    def exists(path: str) -> bool:
+        return rig.exec("node3", f"test -e {path}", check=False).returncode == 0
+
+    wait_for(lambda: alive("[s]leep 6061") and alive("[s]leep 6062"), 30, "the stray processes")
+    submit = (
+        "runuser -u rlmjob -- sbatch --parsable --nodelist=node3 --mem=100M --chdir=/tmp "
+        "--output=/dev/null --wrap"
+    )
+    holder = rig.exec("node1", f"{submit} 'sleep 300'").stdout.strip()
+    try:
+        wait_for(lambda: job_state(cluster, holder) == "RUNNING", 60, f"job {holder} running")
+        short = rig.exec("node1", f"{submit} true").stdout.strip()
+        wait_for(lambda: job_gone(cluster, short), 60, f"job {short} and its epilog to end")
+        assert alive("[s]leep 6061") and exists("/dev/shm/rlm-epilog-stray")
+    finally:
+        rig.exec("node1", f"scancel {holder}")
+    wait_for(lambda: job_gone(cluster, holder), 120, f"job {holder} and its epilog to end")
+    assert not alive("[s]leep 6061")
+    assert not exists("/dev/shm/rlm-epilog-stray")
+    assert alive("[s]leep 6062") and exists("/dev/shm/rlm-epilog-root")
+    journal = rig.exec("node3", "journalctl -t rlm-slurm-epilog --no-pager").stdout
+    assert f"job {short}: uid {uid} still has job {holder} here" in journal, journal
+    assert f"job {holder}: removed /dev/shm/rlm-epilog-stray" in journal, journal
+    rig.exec("node3", "pkill -f '[s]leep 6062'; rm -f /dev/shm/rlm-epilog-root", check=False)
 
 
 def compute_nodes_idle(cluster: Cluster) -> bool:
