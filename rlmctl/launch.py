@@ -167,6 +167,23 @@ def trainer_argv(
     ]
 
 
+def host_start_config(host: Host, run: RunDir, argv: list[str]) -> dict[str, Any]:
+    """What hostproc's `start` gets for one host: the launcher's command line and environment,
+    its log and exit record, and the run and host that name its systemd unit and find its
+    processes (the same two keys `status` and `stop` get)."""
+    env = {**host.comm_env, "PYTHONUNBUFFERED": "1"}
+    env |= {"RLMCTL_RUN": str(run.path), "RLMCTL_HOST": host.name}
+    return {
+        "run_dir": str(run.path),
+        "host": host.name,
+        "argv": argv,
+        "env": env,
+        "log": str(run.launcher_log_path(host.name)),
+        "exit_file": str(run.exit_record_path(host.name)),
+        "cwd": host.shared_dir,
+    }
+
+
 def start(
     fleet: Fleet,
     registry: Registry,
@@ -183,15 +200,8 @@ def start(
     configs: dict[str, dict[str, Any]] = {}
     for host in hosts:
         run.host_dir(host.name).mkdir(parents=True, exist_ok=True)
-        env = {**host.comm_env, "PYTHONUNBUFFERED": "1"}
-        env |= {"RLMCTL_RUN": str(run.path), "RLMCTL_HOST": host.name}
-        configs[host.name] = {
-            "argv": trainer_argv(host, hosts, run, rdzv_id, overrides or []),
-            "env": env,
-            "log": str(run.launcher_log_path(host.name)),
-            "exit_file": str(run.exit_record_path(host.name)),
-            "cwd": host.shared_dir,
-        }
+        argv = trainer_argv(host, hosts, run, rdzv_id, overrides or [])
+        configs[host.name] = host_start_config(host, run, argv)
     say(f"starting torchrun on {len(hosts)} host(s), rendezvous {endpoint} id {rdzv_id}")
     results = fleet.run(lambda h: hostproc_command(h, "start", configs[h.name]), hosts=hosts)
     processes, failures = [], []

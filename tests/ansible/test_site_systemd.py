@@ -16,16 +16,20 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import paramiko
 import pytest
 
 from rlmctl import hostproc
+from rlmctl.inventory import load as load_inventory
+from rlmctl.launch import host_start_config
 from tests.ansible.playbook_run import PlaybookRun, run_playbook, write_inventory
 from tests.ansible.rig_site import connect, connect_from_real_host
 from tests.ansible.systemd_site import SLICE_LIMITS, build_offline_stacks, site_inventory
 from tests.rig import Rig
 from tests.test_rig_systemd import systemd_unavailable
+from trainer.rundir import RunDir
 
 # The module's fixture runs site.yml three times on 8 nodes (about 10 min on 2 quiet cores).
 pytestmark = [pytest.mark.rig, pytest.mark.timeout(3600)]
@@ -50,6 +54,7 @@ SANDBOX = {
 @dataclass
 class Site:
     rig: Rig
+    inventory: Path
     password_login_before: dict[str, bool]
     check: PlaybookRun
     first: PlaybookRun
@@ -90,7 +95,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         check = run_playbook("site.yml", inventory, work, check=True, timeout=900)
         first = run_playbook("site.yml", inventory, work, timeout=1200)
         second = run_playbook("site.yml", inventory, work, timeout=900) if first.rc == 0 else first
-        yield Site(rig, before, check, first, second)
+        yield Site(rig, inventory, before, check, first, second)
 
 
 def test_check_mode_on_bare_nodes_completes_and_plans_every_play(site: Site) -> None:
@@ -251,17 +256,15 @@ def test_rlmctl_starts_the_trainer_in_its_own_unit_of_the_slice(site: Site) -> N
     shutil.copy(hostproc.__file__, script)
     run_dir = rig.shared_dir / "runs" / "slice-probe"
     run_dir.mkdir(parents=True, exist_ok=True)
+    inventory = load_inventory(site.inventory)
     for host in (rig.hosts[1], rig.hosts[5]):  # a compute node of each release
         ident = {"run_dir": str(run_dir), "host": host.name}
-        exit_file = run_dir / f"exit-{host.name}.json"
-        cfg = ident | {
-            # A worker in a session of its own, as torchrun's are.
-            "argv": ["/bin/sh", "-c", "setsid sleep 300 & sleep 300"],
-            "env": {"RLMCTL_RUN": str(run_dir), "RLMCTL_HOST": host.name},
-            "log": str(run_dir / f"{host.name}.log"),
-            "exit_file": str(exit_file),
-            "cwd": str(rig.shared_dir),
-        }
+        # What `rlmctl launch` sends, with a worker in a session of its own (as torchrun's
+        # are) instead of the trainer.
+        argv = ["/bin/sh", "-c", "setsid sleep 300 & sleep 300"]
+        cfg = host_start_config(inventory.hosts[host.name], RunDir(run_dir), argv)
+        exit_file = Path(cfg["exit_file"])
+        exit_file.parent.mkdir(parents=True, exist_ok=True)
         started = hostproc_call(rig, host.name, str(script), "start", cfg)
         assert started["slice"] == "rlm-trainer.slice", started
         unit = show(rig, host.name, started["unit"], "Slice", "Delegate", "MainPID", "ActiveState")

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 from rlmctl import hostproc
-from trainer.rundir import read_json
+from rlmctl.inventory import load as load_inventory
+from rlmctl.launch import host_start_config
+from trainer.rundir import RunDir, read_json
 
 TREE = "setsid sleep 300 & echo worker $!; sleep 300"
 
@@ -102,3 +104,15 @@ def test_orphaned_workers_are_found_by_environment(tmp_path: Path) -> None:
     stopped = call("stop", ident | started | {"timeout": 2})
     assert stopped["remaining"] == []
     wait_for(lambda: gone(worker), 10)
+
+
+def test_the_start_config_rlmctl_sends_names_the_trainers_unit(local_inventory: Path) -> None:
+    """On a systemd host hostproc names the transient unit from the run and host in the start
+    config; `rlmctl launch` once sent neither, and every SSH launch on a provisioned node
+    failed with KeyError: 'run_dir' (seen by bench/launch.py on the systemd rig)."""
+    host = load_inventory(local_inventory).hosts["localhost"]
+    run = RunDir(Path(host.shared_dir) / "runs" / "unit-probe")
+    cfg = host_start_config(host, run, ["true"])
+    # The payload travels as JSON, as it does over SSH.
+    unit = hostproc.unit_name(json.loads(json.dumps(cfg)))
+    assert unit.startswith("rlm-run-unit-probe-localhost-") and unit.endswith(".service"), unit
