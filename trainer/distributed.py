@@ -310,7 +310,7 @@ def wrap_model(model: nn.Module, env: DistEnv, cfg: CommConfig, find_unused: boo
         bucket_cap_mb=cfg.bucket_mb,
         find_unused_parameters=find_unused,
         gradient_as_bucket_view=True,
-        broadcast_buffers=False,
+        forward_sync_buffers=False,
     )
     wire = WIRE_DTYPES[cfg.compression]
     stats = CommStats(wire, cfg.predivide_factor, env.world_size, CommTimer(env.device))
