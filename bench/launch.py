@@ -77,7 +77,7 @@ def main() -> None:
     work = Path(os.environ.get("RLM_BENCH_WORK", "/tmp/rlm-bench-launch"))
     work.mkdir(parents=True, exist_ok=True)
     with Rig(slurm_rig.NODES, slot=SLOT, release="bookworm") as rig:
-        for name in ("node2", "node3", "node4"):
+        for name in slurm_rig.COMPUTE:
             slurm_rig.remount_cgroups_writable(rig, name)
         inventory = slurm_rig.slurm_inventory(rig, work)
         inventory["all"]["vars"].pop("rlm_comm_env")  # no test hooks: the trainer as shipped
@@ -85,21 +85,7 @@ def main() -> None:
         site = run_playbook("site.yml", slurm, work, tags=slurm_rig.SITE_TAGS, timeout=1200)
         if site.rc != 0:
             raise SystemExit(f"site.yml failed: {site.stderr[-2000:]}")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "trainer",
-                "prepare",
-                "--out",
-                str(rig.shared_dir / "data"),
-                "--seq-len",
-                "64",
-            ],
-            check=True,
-            capture_output=True,
-            cwd=REPO,
-        )
+        slurm_rig.prepare_corpus(rig, REPO)
         ssh_vars = yaml.safe_load(slurm.read_text())
         ssh_vars["all"]["vars"]["rlm_scheduler"] = "ssh"
         ssh = work / "ssh.yml"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from trainer.hooks import HOOKS_ENV
 
 SLOT = 4  # see docs/rig.md for the slots of each module
 NODES = 4  # node1: mgmt (controller); node2..node4: compute
+COMPUTE = ("node2", "node3", "node4")
 # The plays Slurm jobs need: validation (always), the base system (apt lists, limits), the
 # trainer venv, Slurm. tests/ansible/test_site_systemd.py applies all of site.yml to the same
 # kind of nodes; here common installs only a short package list to keep the module's time.
@@ -75,6 +78,25 @@ def slurm_inventory(rig: Rig, work: Path) -> dict[str, Any]:
         }
     )
     return inventory
+
+
+def prepare_corpus(rig: Rig, repo: Path) -> None:
+    """The bundled corpus, tokenised for the jobs' short sequences, in the shared directory."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "prepare",
+            "--out",
+            str(rig.shared_dir / "data"),
+            "--seq-len",
+            "64",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=repo,
+    )
 
 
 def install_ledger_hooks(rig: Rig, repo: Path) -> None:

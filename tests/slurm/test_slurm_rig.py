@@ -21,6 +21,7 @@ from tests.rig import Rig
 from tests.rlmctl.conftest import rlmctl
 from tests.slurm.slurm_rig import (
     CHECK_TAGS,
+    COMPUTE,
     HEALTH_INTERVAL_S,
     NODES,
     PACED_ENV,
@@ -28,6 +29,7 @@ from tests.slurm.slurm_rig import (
     SLOT,
     SLURM_TAGS,
     install_ledger_hooks,
+    prepare_corpus,
     remount_cgroups_writable,
     slurm_inventory,
 )
@@ -35,7 +37,6 @@ from tests.test_rig_systemd import systemd_unavailable
 from trainer.rundir import RunDir, read_jsonl
 
 pytestmark = [pytest.mark.rig, pytest.mark.timeout(1800)]
-COMPUTE = ("node2", "node3", "node4")
 
 
 @dataclass
@@ -72,21 +73,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             f"--tags {SLURM_TAGS} rerun {second_s:.0f}s"
         )
         if first.rc == 0:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "trainer",
-                    "prepare",
-                    "--out",
-                    str(rig.shared_dir / "data"),
-                    "--seq-len",
-                    "64",
-                ],
-                check=True,
-                capture_output=True,
-                cwd=REPO,
-            )
+            prepare_corpus(rig, REPO)
             install_ledger_hooks(rig, REPO)
         yield Cluster(rig, check, first, second, first_s, second_s, inventory)
 
