@@ -1,16 +1,24 @@
-"""A version bump in the inventory converges on a systemd rig node: node_exporter_version changed
-from bookworm's node_exporter to a newer one the site's mirror carries, the next run installs it
-and restarts the daemon, which then reports the new version; a rerun changes nothing.
+"""A version bump in the inventory converges on a systemd rig node: node_exporter_version,
+prometheus_version and alertmanager_version changed from bookworm's packages to newer ones the
+site's mirror carries; the next run installs them and restarts each daemon, which then reports the
+new version; a rerun changes nothing.
 
-The node's only package source is the rig's local repository (bookworm's 1.5.0); the "mirror"
-that gets the new version is a second flat repository on the shared directory holding trixie's
-1.9.0 package (from the rig's trixie image: it depends on nothing bookworm lacks)."""
+The node's only package source is the rig's local repository (bookworm's node_exporter 1.5.0,
+Prometheus 2.42.0, Alertmanager 0.25.0); the "mirror" that gets the new versions is a second flat
+repository on the shared directory holding trixie's packages (node_exporter 1.9.0, Prometheus
+2.53.3 with promtool, which trixie splits into its own package, Alertmanager 0.28.1), from the rig's
+trixie image. `dpkg-deb -f` on them: they depend on libc6 (>= 2.34), adduser, tzdata, the web
+assets' libjs-* packages and init-system-helpers (>= 1.54~), all of which bookworm has (2.36,
+1.65.2), so they install on bookworm as they would from a site's mirror of a newer release."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,39 +32,88 @@ from tests.test_rig_systemd import systemd_unavailable
 
 pytestmark = pytest.mark.rig
 SLOT = 3  # docs/rig.md: this module's slot
-PACKAGE = "prometheus-node-exporter"
-UNIT = "prometheus-node-exporter.service"
 
 
-def package_version(repo: Path) -> str:
-    [deb] = repo.glob(f"{PACKAGE}_*.deb")
+@dataclass(frozen=True)
+class Daemon:
+    """One version-pinned package of the monitoring roles and how its daemon reports its version."""
+
+    variable: str  # the role's version variable
+    package: str
+    unit: str
+    binary: str
+    task: str  # the role's install task
+    url: str  # what the running daemon serves, and where its version is in the JSON
+    path: tuple[str, ...]
+
+
+NODE_EXPORTER = Daemon(
+    "node_exporter_version",
+    "prometheus-node-exporter",
+    "prometheus-node-exporter.service",
+    "/usr/bin/prometheus-node-exporter",
+    "Install node_exporter",
+    "http://127.0.0.1:9100/metrics",
+    (),
+)
+PROMETHEUS = Daemon(
+    "prometheus_version",
+    "prometheus",
+    "prometheus.service",
+    "/usr/bin/prometheus",
+    "Install Prometheus",
+    "http://127.0.0.1:9090/api/v1/status/buildinfo",
+    ("data", "version"),
+)
+ALERTMANAGER = Daemon(
+    "alertmanager_version",
+    "prometheus-alertmanager",
+    "prometheus-alertmanager.service",
+    "/usr/bin/prometheus-alertmanager",
+    "Install Alertmanager",
+    "http://127.0.0.1:9093/api/v2/status",
+    ("versionInfo", "version"),
+)
+DAEMONS = (NODE_EXPORTER, PROMETHEUS, ALERTMANAGER)
+# What the mirror must carry besides the daemons' own packages: trixie's prometheus depends on
+# promtool, which bookworm's prometheus contains.
+MIRROR_EXTRA = ("promtool",)
+
+
+def package_version(repo: Path, package: str) -> str:
+    [deb] = repo.glob(f"{package}_*.deb")
     return deb.name.split("_")[1]
+
+
+def upstream(version: str) -> str:
+    """1.5.0-1+b6 -> 1.5.0, 2.53.3+ds1-2 -> 2.53.3: what the daemon's build info says."""
+    match = re.match(r"\d+(\.\d+)+", version)
+    assert match, version
+    return match[0]
 
 
 class Node:
     def __init__(self, rig: Rig, work: Path) -> None:
         self.rig, self.work, self.host = rig, work, rig.hosts[0]
-        self.playbook = work / "node_exporter.yml"
+        self.playbook = work / "monitoring.yml"
+        # monitoring.yml's plays for these roles (rlm_exporter and the GPU exporter have no pin).
+        play = {"hosts": "mgmt", "gather_facts": True, "gather_subset": ["min"]}
         self.playbook.write_text(
             yaml.safe_dump(
                 [
-                    {
-                        "name": "node_exporter",
-                        "hosts": "all",
-                        "gather_facts": True,
-                        "gather_subset": ["min"],
-                        "roles": ["node_exporter"],
-                    }
+                    {"name": "Exporters", **play, "roles": ["node_exporter"]},
+                    {"name": "Monitoring", **play, "roles": ["alertmanager", "prometheus"]},
                 ]
             )
         )
 
-    def apply(self, version: str) -> PlaybookRun:
+    def apply(self, versions: dict[Daemon, str]) -> PlaybookRun:
         hosts = {
             name: {**conn, "ansible_python_interpreter": "/usr/bin/python3"}
             for name, conn in connection_vars(self.rig).items()
         }
-        inventory = {"all": {"hosts": hosts, "vars": {"node_exporter_version": version}}}
+        pins = {daemon.variable: version for daemon, version in versions.items()}
+        inventory = {"all": {"vars": pins, "children": {"mgmt": {"hosts": hosts}}}}
         run = run_playbook(
             self.playbook, write_inventory(self.work / "hosts.yml", inventory), self.work
         )
@@ -69,75 +126,93 @@ class Node:
     def sh(self, command: str) -> str:
         return self.rig.exec(self.host, command).stdout.strip()
 
-    def binary_version(self) -> str:
-        return self.sh(f"{PACKAGE} --version 2>&1 | head -1")
+    def installed(self, daemon: Daemon) -> str:
+        return self.sh(f"dpkg-query -W -f '${{Version}}' {daemon.package}")
 
-    def served_version(self) -> str:
-        """node_exporter_build_info's version label, from the running daemon's /metrics."""
-        script = (
-            "import re, urllib.request; "
-            "text = urllib.request.urlopen('http://127.0.0.1:9100/metrics', timeout=10).read(); "
-            'print(re.search(rb\'node_exporter_build_info\\{[^}]*version="([^"]+)"\', text)[1]'
-            ".decode())"
+    def binary_version(self, daemon: Daemon) -> str:
+        return self.sh(f"{daemon.binary} --version 2>&1 | head -1")
+
+    def served_version(self, daemon: Daemon) -> str:
+        """The running daemon's own word: node_exporter_build_info's version label, Prometheus'
+        buildinfo, Alertmanager's status."""
+        body = self.rig.exec(
+            self.host,
+            [
+                "python3",
+                "-c",
+                f"import urllib.request as u; "
+                f"print(u.urlopen({daemon.url!r}, timeout=10).read().decode())",
+            ],
+        ).stdout
+        if not daemon.path:
+            return re.search(r'node_exporter_build_info\{[^}]*version="([^"]+)"', body)[1]
+        value = json.loads(body)
+        for key in daemon.path:
+            value = value[key]
+        return value
+
+    def main_pid(self, daemon: Daemon) -> str:
+        return self.sh(f"systemctl show -P MainPID {daemon.unit}")
+
+    def assert_runs(self, daemon: Daemon, version: str) -> None:
+        """Installed, and the unit active on that package's binary, which reports the version."""
+        assert self.installed(daemon) == version, daemon
+        assert upstream(version) in self.binary_version(daemon), daemon
+        assert self.sh(f"systemctl is-active {daemon.unit}") == "active", daemon
+        exe = self.sh(f"readlink /proc/{self.main_pid(daemon)}/exe")
+        assert exe == daemon.binary, (daemon, exe)
+        assert upstream(self.served_version(daemon)) == upstream(version), daemon
+
+    def add_mirror(self, debs: list[Path]) -> None:
+        """The site's mirror gets the new versions (a second flat repository, as a sync would)."""
+        mirror = self.rig.shared_dir / "mirror"
+        mirror.mkdir()
+        for deb in debs:
+            shutil.copy(deb, mirror)
+        packages = subprocess.run(
+            ["apt-ftparchive", "packages", "."], cwd=mirror, capture_output=True, check=True
+        ).stdout
+        (mirror / "Packages").write_bytes(packages)
+        self.sh(
+            f"echo 'deb [trusted=yes] file:{mirror} ./' > /etc/apt/sources.list.d/mirror.list"
+            " && apt-get update -qq"
         )
-        return self.rig.exec(self.host, ["python3", "-c", script]).stdout.strip()
-
-    def main_pid(self) -> str:
-        return self.sh(f"systemctl show -P MainPID {UNIT}")
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     if reason := systemd_unavailable():
         pytest.skip(reason)
-    ensure_image("trixie")  # the newer package's source (built once, cached)
+    ensure_image("trixie")  # the newer packages' source (built once, cached)
     with Rig(1, slot=SLOT, release="bookworm") as rig:
         yield Node(rig, tmp_path_factory.mktemp("version-bump"))
         # Leave nothing of the mirror behind on the shared directory.
         shutil.rmtree(rig.shared_dir / "mirror", ignore_errors=True)
 
 
-def test_a_version_bump_installs_the_new_version_and_restarts_on_it(node: Node) -> None:
-    old = package_version(ensure_image("bookworm").repo)
-    new = package_version(ensure_image("trixie").repo)
-    assert old.split("-")[0] != new.split("-")[0], (old, new)
+def test_a_version_bump_installs_the_new_versions_and_restarts_on_them(node: Node) -> None:
+    old_repo, new_repo = ensure_image("bookworm").repo, ensure_image("trixie").repo
+    old = {daemon: package_version(old_repo, daemon.package) for daemon in DAEMONS}
+    new = {daemon: package_version(new_repo, daemon.package) for daemon in DAEMONS}
+    for daemon in DAEMONS:
+        assert upstream(old[daemon]) != upstream(new[daemon]), (daemon, old, new)
 
     node.sh("apt-get update -qq")  # what the base play (roles/common) does first in site.yml
     first = node.apply(old)
-    assert first.task(node.host.name, "Install node_exporter").changed
-    assert old.split("-")[0] in node.binary_version()
-    wait_active(node)
-    assert node.served_version() == old.split("-")[0]
-    pid_before = node.main_pid()
+    pids_before = {}
+    for daemon in DAEMONS:
+        assert first.task(node.host.name, daemon.task).changed, daemon
+        node.assert_runs(daemon, old[daemon])
+        pids_before[daemon] = node.main_pid(daemon)
 
-    # The site's mirror gets the new version (a second flat repository, as a mirror sync would).
-    mirror = node.rig.shared_dir / "mirror"
-    mirror.mkdir()
-    [deb] = ensure_image("trixie").repo.glob(f"{PACKAGE}_*.deb")
-    shutil.copy(deb, mirror)
-    packages = subprocess.run(
-        ["apt-ftparchive", "packages", "."], cwd=mirror, capture_output=True, check=True
-    ).stdout
-    (mirror / "Packages").write_bytes(packages)
-    node.sh(
-        f"echo 'deb [trusted=yes] file:{mirror} ./' > /etc/apt/sources.list.d/mirror.list"
-        " && apt-get update -qq"
-    )
+    debs = [next(new_repo.glob(f"{d.package}_*.deb")) for d in DAEMONS]
+    node.add_mirror(debs + [next(new_repo.glob(f"{p}_*.deb")) for p in MIRROR_EXTRA])
 
     bumped = node.apply(new)
-    assert bumped.task(node.host.name, "Install node_exporter").changed
-    assert new.split("-")[0] in node.binary_version()
-    assert node.sh(f"dpkg-query -W -f '${{Version}}' {PACKAGE}") == new
-    wait_active(node)
-    assert node.main_pid() != pid_before
-    assert node.served_version() == new.split("-")[0]
+    for daemon in DAEMONS:
+        assert bumped.task(node.host.name, daemon.task).changed, daemon
+        node.assert_runs(daemon, new[daemon])
+        assert node.main_pid(daemon) != pids_before[daemon], daemon
 
     again = node.apply(new)
     assert again.stats(node.host.name)["changed"] == 0, again.changed(node.host.name)
-
-
-def wait_active(node: Node) -> None:
-    """The role's own probe waited for /metrics; the unit must be active on the new binary."""
-    assert node.sh(f"systemctl is-active {UNIT}") == "active"
-    exe = node.sh(f"readlink /proc/{node.main_pid()}/exe")
-    assert exe.endswith(PACKAGE), exe
