@@ -20,12 +20,14 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from tests.ansible.playbook_run import PlaybookRun, run_playbook, write_inventory
 from tests.ansible.systemd_site import connection_vars
+from tests.ansible.vendor_repo import SigningKey, StandIn, write_flat_repo
 from tests.rig import Rig
 from tests.rig.image import ensure_image
 from tests.test_rig_systemd import systemd_unavailable
@@ -95,28 +97,20 @@ def upstream(version: str) -> str:
 class Node:
     def __init__(self, rig: Rig, work: Path) -> None:
         self.rig, self.work, self.host = rig, work, rig.hosts[0]
-        self.playbook = work / "monitoring.yml"
-        # monitoring.yml's plays for these roles (rlm_exporter and the GPU exporter have no pin).
-        play = {"hosts": "mgmt", "gather_facts": True, "gather_subset": ["min"]}
-        self.playbook.write_text(
-            yaml.safe_dump(
-                [
-                    {"name": "Exporters", **play, "roles": ["node_exporter"]},
-                    {"name": "Monitoring", **play, "roles": ["alertmanager", "prometheus"]},
-                ]
-            )
-        )
 
-    def apply(self, versions: dict[Daemon, str]) -> PlaybookRun:
+    def playbook(self, name: str, plays: list[dict[str, Any]]) -> Path:
+        path = self.work / f"{name}.yml"
+        path.write_text(yaml.safe_dump(plays))
+        return path
+
+    def apply(self, playbook: Path, variables: dict[str, Any]) -> PlaybookRun:
+        """One real run of `playbook` on the node (in group mgmt) with these inventory vars."""
         hosts = {
             name: {**conn, "ansible_python_interpreter": "/usr/bin/python3"}
             for name, conn in connection_vars(self.rig).items()
         }
-        pins = {daemon.variable: version for daemon, version in versions.items()}
-        inventory = {"all": {"vars": pins, "children": {"mgmt": {"hosts": hosts}}}}
-        run = run_playbook(
-            self.playbook, write_inventory(self.work / "hosts.yml", inventory), self.work
-        )
+        inventory = {"all": {"vars": variables, "children": {"mgmt": {"hosts": hosts}}}}
+        run = run_playbook(playbook, write_inventory(self.work / "hosts.yml", inventory), self.work)
         assert run.rc == 0 and not run.failures(self.host.name), (
             run.failures(self.host.name),
             run.stderr[-2000:],
@@ -187,7 +181,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     with Rig(1, slot=SLOT, release="bookworm") as rig:
         yield Node(rig, tmp_path_factory.mktemp("version-bump"))
         # Leave nothing of the mirror behind on the shared directory.
-        shutil.rmtree(rig.shared_dir / "mirror", ignore_errors=True)
+        for mirror in ("mirror", "vendor"):
+            shutil.rmtree(rig.shared_dir / mirror, ignore_errors=True)
 
 
 def test_a_version_bump_installs_the_new_versions_and_restarts_on_them(node: Node) -> None:
@@ -197,8 +192,21 @@ def test_a_version_bump_installs_the_new_versions_and_restarts_on_them(node: Nod
     for daemon in DAEMONS:
         assert upstream(old[daemon]) != upstream(new[daemon]), (daemon, old, new)
 
+    # monitoring.yml's plays for these roles (rlm_exporter and the GPU exporter have no pin).
+    play = {"hosts": "mgmt", "gather_facts": True, "gather_subset": ["min"]}
+    playbook = node.playbook(
+        "monitoring",
+        [
+            {"name": "Exporters", **play, "roles": ["node_exporter"]},
+            {"name": "Monitoring", **play, "roles": ["alertmanager", "prometheus"]},
+        ],
+    )
+
+    def apply(versions: dict[Daemon, str]) -> PlaybookRun:
+        return node.apply(playbook, {daemon.variable: v for daemon, v in versions.items()})
+
     node.sh("apt-get update -qq")  # what the base play (roles/common) does first in site.yml
-    first = node.apply(old)
+    first = apply(old)
     pids_before = {}
     for daemon in DAEMONS:
         assert first.task(node.host.name, daemon.task).changed, daemon
@@ -208,11 +216,108 @@ def test_a_version_bump_installs_the_new_versions_and_restarts_on_them(node: Nod
     debs = [next(new_repo.glob(f"{d.package}_*.deb")) for d in DAEMONS]
     node.add_mirror(debs + [next(new_repo.glob(f"{p}_*.deb")) for p in MIRROR_EXTRA])
 
-    bumped = node.apply(new)
+    bumped = apply(new)
     for daemon in DAEMONS:
         assert bumped.task(node.host.name, daemon.task).changed, daemon
         node.assert_runs(daemon, new[daemon])
         assert node.main_pid(daemon) != pids_before[daemon], daemon
 
-    again = node.apply(new)
+    again = apply(new)
+    assert again.stats(node.host.name)["changed"] == 0, again.changed(node.host.name)
+
+
+# NVIDIA: the driver (Ubuntu's CUDA repository: nvidia-open-<branch>), fabric manager at exactly the
+# driver's version, NCCL and the CUDA compiler comm builds nccl-tests with, and the kernel headers.
+# Stand-ins (tests/ansible/vendor_repo.py): two real R550 releases and two NCCL versions in the
+# vendor's version format; nvidia-open ships the nvidia-persistenced unit the role enables (on a
+# real node it comes with the driver's utilities), fabric manager its own unit.
+NV_KERNEL = "6.8.0-49-generic"  # rlm_kernel: the headers package named after it is a stand-in too
+NV_DRIVERS = ("550.127.08", "550.144.03")
+NV_NCCL = ("2.21.5-1+cuda12.4", "2.22.3-1+cuda12.4")
+NV_DRIVER_PACKAGES = ("nvidia-open-550", "nvidia-fabricmanager-550")
+NV_NCCL_PACKAGES = ("libnccl2", "libnccl-dev")
+
+
+def nvidia_stand_ins() -> list[StandIn]:
+    units = {
+        "nvidia-open-550": ("nvidia-persistenced",),
+        "nvidia-fabricmanager-550": ("nvidia-fabricmanager",),
+    }
+    return (
+        [
+            StandIn(name, f"{driver}-1", units=units[name])
+            for driver in NV_DRIVERS
+            for name in NV_DRIVER_PACKAGES
+        ]
+        + [StandIn(name, nccl) for nccl in NV_NCCL for name in NV_NCCL_PACKAGES]
+        + [StandIn("cuda-nvcc-12-4", "12.4.131-1"), StandIn(f"linux-headers-{NV_KERNEL}", "1")]
+    )
+
+
+def test_a_gpu_driver_and_nccl_bump_converges_and_the_pin_holds_apt(node: Node) -> None:
+    key = SigningKey(node.work / "gnupg")
+    base = node.rig.shared_dir / "vendor" / "cuda"
+    # The site's mirror of developer.download.nvidia.com/compute/cuda/repos, same layout.
+    write_flat_repo(base / "ubuntu2204/x86_64", nvidia_stand_ins(), key, node.work / "debs")
+    playbook = node.playbook(
+        "gpu",
+        [
+            {
+                "name": "GPU drivers",
+                "hosts": "mgmt",
+                "gather_facts": True,
+                "gather_subset": ["min"],
+                "roles": ["gpu_detect", "gpu_nvidia"],
+            }
+        ],
+    )
+    site = {
+        # An Ubuntu 22.04 H100 node as the role sees it; the rig's bookworm userland installs.
+        "rlm_gpu_vendor": "nvidia",
+        "rlm_gpus_per_node": 8,
+        "rlm_distribution_version": "22.04",
+        "rlm_kernel": NV_KERNEL,
+        "rlm_allow_reboot": False,
+        "gpu_nvidia_fabricmanager": True,
+        "gpu_nvidia_repo_base": f"file:{base}",
+        "gpu_nvidia_repo_key_src": str(key.public),
+    }
+
+    def apply(driver: str, nccl: str) -> PlaybookRun:
+        pins = {"gpu_nvidia_driver_version": driver, "gpu_nvidia_nccl_version": nccl}
+        run = node.apply(playbook, {**site, **pins})
+        # No GPU driver loads on the rig: the role says so and ends non-failed.
+        report = run.task(node.host.name, "Report the pending reboot").result["msg"]
+        assert "reboot required (driver nvidia-open-550 " + driver in report, report
+        return run
+
+    def installed() -> dict[str, str]:
+        names = NV_DRIVER_PACKAGES + NV_NCCL_PACKAGES
+        lines = node.sh("dpkg-query -W -f '${Package} ${Version}\\n' " + " ".join(names))
+        return dict(line.split(" ", 1) for line in lines.splitlines())
+
+    def expected(driver: str, nccl: str) -> dict[str, str]:
+        return {
+            **{name: f"{driver}-1" for name in NV_DRIVER_PACKAGES},
+            **{name: nccl for name in NV_NCCL_PACKAGES},
+        }
+
+    node.sh("apt-get update -qq")
+    apply(NV_DRIVERS[0], NV_NCCL[0])
+    assert installed() == expected(NV_DRIVERS[0], NV_NCCL[0])
+    assert node.sh("systemctl is-enabled nvidia-persistenced nvidia-fabricmanager").split() == [
+        "enabled",
+        "enabled",
+    ]
+
+    # The pins hold apt: an unattended upgrade (the newer versions are in the mirror) moves nothing.
+    node.sh("DEBIAN_FRONTEND=noninteractive apt-get -y -qq upgrade")
+    assert installed() == expected(NV_DRIVERS[0], NV_NCCL[0])
+
+    bumped = apply(NV_DRIVERS[1], NV_NCCL[1])
+    assert bumped.task(node.host.name, "Install the NVIDIA driver").changed
+    assert bumped.task(node.host.name, "Install NCCL").changed
+    assert installed() == expected(NV_DRIVERS[1], NV_NCCL[1])
+
+    again = apply(NV_DRIVERS[1], NV_NCCL[1])
     assert again.stats(node.host.name)["changed"] == 0, again.changed(node.host.name)
