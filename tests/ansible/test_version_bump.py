@@ -27,7 +27,7 @@ import yaml
 
 from tests.ansible.playbook_run import PlaybookRun, run_playbook, write_inventory
 from tests.ansible.systemd_site import connection_vars
-from tests.ansible.vendor_repo import SigningKey, StandIn, write_flat_repo
+from tests.ansible.vendor_repo import SigningKey, StandIn, write_flat_repo, write_suite_repo
 from tests.rig import Rig
 from tests.rig.image import ensure_image
 from tests.test_rig_systemd import systemd_unavailable
@@ -231,7 +231,7 @@ def test_a_version_bump_installs_the_new_versions_and_restarts_on_them(node: Nod
 # Stand-ins (tests/ansible/vendor_repo.py): two real R550 releases and two NCCL versions in the
 # vendor's version format; nvidia-open ships the nvidia-persistenced unit the role enables (on a
 # real node it comes with the driver's utilities), fabric manager its own unit.
-NV_KERNEL = "6.8.0-49-generic"  # rlm_kernel: the headers package named after it is a stand-in too
+GPU_KERNEL = "6.8.0-49-generic"  # rlm_kernel: the packages named after it are stand-ins too
 NV_DRIVERS = ("550.127.08", "550.144.03")
 NV_NCCL = ("2.21.5-1+cuda12.4", "2.22.3-1+cuda12.4")
 NV_DRIVER_PACKAGES = ("nvidia-open-550", "nvidia-fabricmanager-550")
@@ -250,7 +250,7 @@ def nvidia_stand_ins() -> list[StandIn]:
             for name in NV_DRIVER_PACKAGES
         ]
         + [StandIn(name, nccl) for nccl in NV_NCCL for name in NV_NCCL_PACKAGES]
-        + [StandIn("cuda-nvcc-12-4", "12.4.131-1"), StandIn(f"linux-headers-{NV_KERNEL}", "1")]
+        + [StandIn("cuda-nvcc-12-4", "12.4.131-1"), StandIn(f"linux-headers-{GPU_KERNEL}", "1")]
     )
 
 
@@ -276,7 +276,7 @@ def test_a_gpu_driver_and_nccl_bump_converges_and_the_pin_holds_apt(node: Node) 
         "rlm_gpu_vendor": "nvidia",
         "rlm_gpus_per_node": 8,
         "rlm_distribution_version": "22.04",
-        "rlm_kernel": NV_KERNEL,
+        "rlm_kernel": GPU_KERNEL,
         "rlm_allow_reboot": False,
         "gpu_nvidia_fabricmanager": True,
         "gpu_nvidia_repo_base": f"file:{base}",
@@ -320,4 +320,105 @@ def test_a_gpu_driver_and_nccl_bump_converges_and_the_pin_holds_apt(node: Node) 
     assert installed() == expected(NV_DRIVERS[1], NV_NCCL[1])
 
     again = apply(NV_DRIVERS[1], NV_NCCL[1])
+    assert again.stats(node.host.name)["changed"] == 0, again.changed(node.host.name)
+
+
+# AMD: amdgpu-dkms from repo.radeon.com/amdgpu/<release>/ubuntu and the ROCm runtime, RCCL, SMI
+# libraries and hipcc + rccl-dev from repo.radeon.com/rocm/apt/<release>, one versioned repository
+# per release (the role's pin: gpu_amd_rocm_version picks the URLs). Stand-ins, two real releases,
+# versions in AMD's format (<component version>.<ROCm build>-<build>~22.04); the kernel headers and
+# extra modules come from the distribution, so their stand-ins sit in a third repository.
+AMD_RELEASES = {"6.2.4": "60204-139~22.04", "6.3.1": "60301-48~22.04"}
+AMD_COMPONENTS = {  # package -> its own version in each release
+    "rocm-hip-runtime": ("6.2.4", "6.3.1"),
+    "rccl": ("2.20.5", "2.21.5"),
+    "rccl-dev": ("2.20.5", "2.21.5"),
+    "rocminfo": ("1.0.0", "1.0.0"),
+    "amd-smi-lib": ("24.6.3", "24.7.1"),
+    "rocm-smi-lib": ("7.3.0", "7.4.0"),
+    "hipcc": ("1.1.1", "1.1.1"),
+}
+AMD_DKMS = {"6.2.4": "1:6.8.5.60204-2071555.22.04", "6.3.1": "1:6.10.5.60301-2109964.22.04"}
+
+
+def amd_versions(release: str) -> dict[str, str]:
+    index = list(AMD_RELEASES).index(release)
+    return {
+        "amdgpu-dkms": AMD_DKMS[release],
+        **{
+            name: f"{versions[index]}.{AMD_RELEASES[release]}"
+            for name, versions in AMD_COMPONENTS.items()
+        },
+    }
+
+
+def test_a_rocm_and_amdgpu_bump_converges_and_the_pin_holds_apt(node: Node) -> None:
+    key = SigningKey(node.work / "gnupg-amd")
+    base = node.rig.shared_dir / "vendor" / "radeon"
+    debs = node.work / "debs-amd"
+    for release in AMD_RELEASES:
+        versions = amd_versions(release)
+        dkms = [StandIn("amdgpu-dkms", versions.pop("amdgpu-dkms"))]
+        runtime = [StandIn(name, version) for name, version in versions.items()]
+        # The site's mirror of repo.radeon.com, same layout.
+        write_suite_repo(base / "amdgpu" / release / "ubuntu", "jammy", dkms, key, debs)
+        write_suite_repo(base / "rocm/apt" / release, "jammy", runtime, key, debs)
+    kernel = [
+        StandIn(f"{kind}-{GPU_KERNEL}", "1") for kind in ("linux-headers", "linux-modules-extra")
+    ]
+    distribution = node.rig.shared_dir / "vendor" / "ubuntu"
+    write_flat_repo(distribution, kernel, key, debs)
+    node.sh(
+        f"echo 'deb [trusted=yes] file:{distribution} ./' > /etc/apt/sources.list.d/ubuntu.list"
+        " && apt-get update -qq"
+    )
+    playbook = node.playbook(
+        "gpu-amd",
+        [
+            {
+                "name": "GPU drivers",
+                "hosts": "mgmt",
+                "gather_facts": True,
+                "gather_subset": ["min"],
+                "roles": ["gpu_detect", "gpu_amd"],
+            }
+        ],
+    )
+    site = {
+        # An Ubuntu 22.04 MI300X node as the role sees it; the rig's bookworm userland installs.
+        "rlm_gpu_vendor": "amd",
+        "rlm_gpus_per_node": 8,
+        "rlm_distribution_release": "jammy",
+        "rlm_distribution_version": "22.04",
+        "rlm_kernel": GPU_KERNEL,
+        "rlm_allow_reboot": False,
+        "gpu_amd_repo_base": f"file:{base}",
+        "gpu_amd_repo_key_src": str(key.public),
+    }
+    names = list(amd_versions("6.2.4"))
+
+    def apply(release: str) -> PlaybookRun:
+        run = node.apply(playbook, {**site, "gpu_amd_rocm_version": release})
+        report = run.task(node.host.name, "Report the pending reboot").result["msg"]
+        assert "reboot required (driver amdgpu-dkms " + release in report, report
+        return run
+
+    def installed() -> dict[str, str]:
+        lines = node.sh("dpkg-query -W -f '${Package} ${Version}\\n' " + " ".join(names))
+        return dict(line.split(" ", 1) for line in lines.splitlines())
+
+    first, second = AMD_RELEASES
+    apply(first)
+    assert installed() == amd_versions(first)
+
+    # The pin holds apt: the next release is in the mirror, but not in the versioned repository.
+    node.sh("DEBIAN_FRONTEND=noninteractive apt-get -y -qq upgrade")
+    assert installed() == amd_versions(first)
+
+    bumped = apply(second)
+    assert bumped.task(node.host.name, "Install the amdgpu kernel driver").changed
+    assert bumped.task(node.host.name, "Install the ROCm runtime and RCCL").changed
+    assert installed() == amd_versions(second)
+
+    again = apply(second)
     assert again.stats(node.host.name)["changed"] == 0, again.changed(node.host.name)

@@ -1,4 +1,4 @@
-"""A signed flat apt repository of stand-in vendor packages, laid out as a site's mirror of a
+"""Signed apt repositories of stand-in vendor packages, laid out as a site's mirror of a
 vendor repository would be, for tests that install the GPU roles' packages on rig nodes.
 
 The rig has no vendor repositories (no route out) and no GPUs, and the real packages are
@@ -100,3 +100,30 @@ def write_flat_repo(repo: Path, packages: list[StandIn], key: SigningKey, build_
     ).stdout
     (repo / "Release").write_bytes(release)
     key.clearsign(repo / "Release", repo / "InRelease")
+
+
+def write_suite_repo(
+    repo: Path, suite: str, packages: list[StandIn], key: SigningKey, build_dir: Path
+) -> None:
+    """A repository with a dists/ tree (`Suites: <suite>`, `Components: main`, amd64), as AMD
+    publishes amdgpu and ROCm: the .debs under pool/, the index and a signed InRelease."""
+    pool = repo / "pool" / "main"
+    pool.mkdir(parents=True, exist_ok=True)
+    for package in packages:
+        build_deb(package, pool, build_dir)
+    dist = repo / "dists" / suite
+    binary = dist / "main" / "binary-amd64"
+    binary.mkdir(parents=True, exist_ok=True)
+    index = subprocess.run(
+        ["apt-ftparchive", "packages", "pool"], cwd=repo, check=True, capture_output=True
+    ).stdout
+    (binary / "Packages").write_bytes(index)
+    options = {"Suite": suite, "Codename": suite, "Components": "main", "Architectures": "amd64"}
+    argv = ["apt-ftparchive"]
+    for name, value in options.items():
+        argv += ["-o", f"APT::FTPArchive::Release::{name}={value}"]
+    release = subprocess.run(
+        [*argv, "release", "."], cwd=dist, check=True, capture_output=True
+    ).stdout
+    (dist / "Release").write_bytes(release)
+    key.clearsign(dist / "Release", dist / "InRelease")
