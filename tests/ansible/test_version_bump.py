@@ -1,15 +1,21 @@
-"""A version bump in the inventory converges on a systemd rig node: node_exporter_version,
-prometheus_version and alertmanager_version changed from bookworm's packages to newer ones the
-site's mirror carries; the next run installs them and restarts each daemon, which then reports the
-new version; a rerun changes nothing.
+"""A version bump in the inventory converges on a systemd rig node.
 
+Monitoring: node_exporter_version, prometheus_version and alertmanager_version changed from
+bookworm's packages to newer ones the site's mirror carries; the next run installs them and
+restarts each daemon, which then reports the new version; a rerun changes nothing.
 The node's only package source is the rig's local repository (bookworm's node_exporter 1.5.0,
 Prometheus 2.42.0, Alertmanager 0.25.0); the "mirror" that gets the new versions is a second flat
 repository on the shared directory holding trixie's packages (node_exporter 1.9.0, Prometheus
 2.53.3 with promtool, which trixie splits into its own package, Alertmanager 0.28.1), from the rig's
 trixie image. `dpkg-deb -f` on them: they depend on libc6 (>= 2.34), adduser, tzdata, the web
 assets' libjs-* packages and init-system-helpers (>= 1.54~), all of which bookworm has (2.36,
-1.65.2), so they install on bookworm as they would from a site's mirror of a newer release."""
+1.65.2), so they install on bookworm as they would from a site's mirror of a newer release.
+
+GPU vendors: gpu_nvidia's driver and NCCL versions and gpu_amd's ROCm release, bumped, install the
+new packages (dpkg-query), an `apt-get upgrade` in between does not move past the pins, and the
+role reports "reboot required" (no driver loads here). The rig has no vendor repositories and no
+GPUs, so the vendor packages are stand-ins with the real names in signed local repositories laid
+out like the vendors' (tests/ansible/vendor_repo.py says why and how)."""
 
 from __future__ import annotations
 
