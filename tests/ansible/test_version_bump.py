@@ -416,6 +416,9 @@ def test_a_rocm_and_amdgpu_bump_converges_and_the_pin_holds_apt(node: Node) -> N
     first, second = AMD_RELEASES
     apply(first)
     assert installed() == amd_versions(first)
+    # The role's pin (priority 600, ahead of the distribution's ROCm builds) applies to the mirror.
+    policy = node.sh("apt-cache policy rccl")
+    assert re.search(r"^ +600 file:.*/rocm/apt/6\.2\.4 jammy/main", policy, re.M), policy
 
     # The pin holds apt: the next release is in the mirror, but not in the versioned repository.
     node.sh("DEBIAN_FRONTEND=noninteractive apt-get -y -qq upgrade")
