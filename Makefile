@@ -5,10 +5,11 @@ BIN := $(VENV)/bin
 # Debian packages the tests use for real: sshd for the rig, Prometheus/Alertmanager/node_exporter
 # for monitoring, nftables for the firewall role, iproute2 for namespaces; mmdebstrap,
 # systemd-container (systemd-nspawn) and apt-utils (apt-ftparchive) for the rig's systemd nodes;
-# rocm-smi (the real AMD tool, runs without a GPU) for the exporter's recorded fixture.
+# rocm-smi (the real AMD tool, runs without a GPU) for the exporter's recorded fixture; gpg signs
+# the stand-in vendor repositories (tests/ansible/vendor_repo.py).
 TEST_SYSTEM_PACKAGES := openssh-server openssh-client prometheus prometheus-alertmanager \
 	prometheus-node-exporter nftables iproute2 procps psmisc util-linux \
-	mmdebstrap systemd-container apt-utils rocm-smi python3-firewall
+	mmdebstrap systemd-container apt-utils rocm-smi python3-firewall gpg
 DEMO_SYSTEM_PACKAGES := procps
 
 .PHONY: demo test lint bench venv clean
