@@ -162,12 +162,14 @@ UNAVAILABLE = "Requested node configuration is not available"
 def unavailable_nodes(fleet: Fleet, inventory: Inventory, partition: str | None) -> str:
     """The partition's nodes Slurm will not allocate (down, drained, failing), each with its
     reason and, for a node that is down because its munge key differs, the fix; "" if none."""
-    argv = ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"]
+    argv = ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E|%P"]
     argv += [f"--partition={partition}"] if partition else []
     rows = run_slurm(fleet, submit_host(inventory), argv, "sinfo failed").stdout.splitlines()
     out = {}
     for row in rows:
-        name, state, reason = ([*row.strip().split("|"), "", ""])[:3]
+        name, state, reason, part = ([*row.strip().split("|"), "", "", ""])[:4]
+        if not partition and not part.endswith("*"):
+            continue  # a job without --partition goes to the default one (sinfo marks it *)
         if state.rstrip("*~#!%$@^-+").startswith(("down", "drain", "fail")):
             out[name] = f"{name} is {state} ({reason})"
     if not out:
@@ -461,8 +463,13 @@ def node_checks(fleet: Fleet, inventory: Inventory, report: Report) -> None:
     for row in out.splitlines():
         name, state, reason = ([*row.strip().split("|"), "", ""])[:3]
         nodes[name] = (state, reason)
-    down = [h.host for h in report.hosts if nodes.get(h.host, ("",))[0].startswith("down")]
-    keys = munge_mismatches(fleet, inventory, down) if down else {}
+    # Down, or not answering yet (`*`: before SlurmdTimeout sets it down).
+    silent = [
+        h.host
+        for h in report.hosts
+        if (state := nodes.get(h.host, ("",))[0]).startswith("down") or state.endswith("*")
+    ]
+    keys = munge_mismatches(fleet, inventory, silent) if silent else {}
     for host in report.hosts:
         if host.host not in nodes:
             continue  # not a Slurm node (the controller)
