@@ -78,11 +78,17 @@ def submit_host(inventory: Inventory) -> Host:
     return inventory.hosts[names[0]]
 
 
-def _slurm_error(result: Result, what: str) -> SlurmRefused:
+def _slurm_detail(result: Result) -> str:
+    """The last line a Slurm command wrote to stderr, without its `<command>: error: `."""
     lines = [line.strip() for line in (result.stderr or "").splitlines() if line.strip()]
     detail = lines[-1] if lines else result.reason
     for prefix in ("sbatch: error: ", "squeue: error: ", "scancel: error: ", "sacct: error: "):
         detail = detail.removeprefix(prefix)
+    return detail.removeprefix("allocation failure: ")  # sbatch --test-only's prefix
+
+
+def _slurm_error(result: Result, what: str) -> SlurmRefused:
+    detail = _slurm_detail(result)
     hint = {
         "Unable to contact slurm controller": "start slurmctld on the controller "
         "(systemctl start slurmctld) or check SlurmctldHost in slurm.conf",
@@ -90,8 +96,11 @@ def _slurm_error(result: Result, what: str) -> SlurmRefused:
         "Requested node configuration is not available": "ask for fewer --nodes than the "
         "partition has (sinfo) or another --partition",
         "Node count specification invalid": "ask for fewer --nodes than the partition has",
-        "Invalid credential": "the munge key differs between this host and the controller: "
-        "rerun site.yml --tags slurm",
+        # What sbatch, squeue and sinfo say on a host whose munge key differs from the
+        # controller's (seen on the rig: node4 with a new key, Slurm 22.05.8): slurmctld drops
+        # the request ("Protocol authentication error" in its log), the client reads nothing.
+        "Zero Bytes were transmitted or received": "slurmctld refused this host's munge "
+        "credential (its munge key differs from the controller's): rerun site.yml --tags slurm",
     }
     fix = next((text for key, text in hint.items() if key.lower() in detail.lower()), None)
     return SlurmRefused(f"{what}: {detail}" + (f"; {fix}" if fix else ""))
@@ -128,14 +137,88 @@ def job_script(
     )
 
 
-def check_request(fleet: Fleet, inventory: Inventory, script: str) -> None:
+def check_request(
+    fleet: Fleet, inventory: Inventory, script: str, partition: str | None = None
+) -> None:
     """`sbatch --test-only`: Slurm judges partition, node count and credentials before anything
-    is written (the script travels on stdin; no job is created)."""
+    is written (the script travels on stdin; no job is created). When the partition has nodes
+    enough but not enough of them up, the refusal names the nodes that are out and why."""
     payload = base64.b64encode(script.encode()).decode()
     command = f"echo {payload} | base64 -d | sbatch --test-only"
     result = fleet.run(command, hosts=[submit_host(inventory)])[0]
-    if not result.ok:
-        raise _slurm_error(result, "Slurm refused the job")
+    if result.ok:
+        return
+    detail = _slurm_detail(result)
+    if UNAVAILABLE.lower() in detail.lower() and (
+        out := unavailable_nodes(fleet, inventory, partition)
+    ):
+        raise SlurmRefused(f"Slurm refused the job: {detail}: {out}")
+    raise _slurm_error(result, "Slurm refused the job")
+
+
+UNAVAILABLE = "Requested node configuration is not available"
+
+
+def unavailable_nodes(fleet: Fleet, inventory: Inventory, partition: str | None) -> str:
+    """The partition's nodes Slurm will not allocate (down, drained, failing), each with its
+    reason and, for a node that is down because its munge key differs, the fix; "" if none."""
+    argv = ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E|%P"]
+    argv += [f"--partition={partition}"] if partition else []
+    rows = run_slurm(fleet, submit_host(inventory), argv, "sinfo failed").stdout.splitlines()
+    out = {}
+    for row in rows:
+        name, state, reason, part = ([*row.strip().split("|"), "", "", ""])[:4]
+        if not partition and not part.endswith("*"):
+            continue  # a job without --partition goes to the default one (sinfo marks it *)
+        if state.rstrip("*~#!%$@^-+").startswith(("down", "drain", "fail")):
+            out[name] = f"{name} is {state} ({reason})"
+    if not out:
+        return ""
+    keys = munge_mismatches(fleet, inventory, sorted(out))
+    parts = [out[name] + (f", {keys[name]}" if name in keys else "") for name in sorted(out)]
+    if keys:
+        fix = munge_fix(sorted(keys))
+    else:
+        fix = "ask for fewer --nodes, or fix them and `scontrol update NodeName=... State=RESUME`"
+    return f"{'; '.join(parts)}; {fix}"
+
+
+def munge_mismatches(fleet: Fleet, inventory: Inventory, names: list[str]) -> dict[str, str]:
+    """Of the nodes `names`, those whose munge cannot decode a credential made on the submit
+    host, i.e. whose munge key differs from the controller's; per node, what its `unmunge` said.
+
+    Slurm itself never names the key. Seen on the rig (Slurm 22.05.8, node4 given a new key and
+    its munge restarted): node4's slurmd.log says "Munge decode failed: Invalid credential" and
+    "REQUEST_PING has authentication error", slurmctld.log only "[node4]:6818 failed: Zero
+    Bytes were transmitted or received", then "Nodes node4 not responding, setting DOWN"; sinfo
+    shows `idle*`, then `down*` with Reason "Not responding" after SlurmdTimeout; `unmunge` on
+    node4 of the controller's credential: "unmunge: Error: Invalid credential", exit 14."""
+    hosts = [inventory.hosts[n] for n in names if n in inventory.hosts]
+    if not hosts:
+        return {}
+    made = fleet.run("munge --no-input", hosts=[submit_host(inventory)])[0]
+    if not made.ok:
+        return {}
+    credential = shlex.quote(made.stdout.strip())
+    decoded = fleet.run(f"echo {credential} | unmunge --no-output", hosts=hosts)
+    return {
+        r.host: f"its munge key differs from the controller's (unmunge: {_last_line(r)})"
+        for r in decoded
+        if not r.ok and r.rc is not None  # an unreachable node is not a key problem
+    }
+
+
+def munge_fix(nodes: list[str]) -> str:
+    names = ",".join(nodes)
+    return (
+        "redistribute the munge key: rerun site.yml --tags slurm (Slurm returns the node to "
+        f"service once it answers; if it stays down: scontrol update NodeName={names} State=RESUME)"
+    )
+
+
+def _last_line(result: Result) -> str:
+    lines = [line.strip() for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+    return (lines[-1] if lines else result.reason).removeprefix("unmunge: ")
 
 
 def submit(
@@ -190,7 +273,8 @@ def launch(
     run = RunDir(launching.runs_root(hosts) / name)
     text = launching.resolve_config(config_file, overrides, run.path, count * host.gpus_per_node)
     script = job_script(run, name, count, partition, time_limit, [], host)
-    check_request(fleet, inventory, script)  # before the registry or run directory is touched
+    # Before the registry or run directory is touched.
+    check_request(fleet, inventory, script, partition)
     registry = launching.open_registry(hosts)
     launching.refuse_existing(run, registry, name)
     launching.claim_run(run, registry, inventory, text, name)
@@ -324,7 +408,7 @@ def resume(
         host,
         resume_from=resume_from,
     )
-    check_request(fleet, inventory, script)
+    check_request(fleet, inventory, script, request["partition"])
     return submit(fleet, inventory, registry, name, run, script, "resume", request)
 
 
@@ -362,7 +446,8 @@ def status(fleet: Fleet, inventory: Inventory, registry: Registry, name: str) ->
 def node_checks(fleet: Fleet, inventory: Inventory, report: Report) -> None:
     """`rlmctl health` under Slurm: each node's `sinfo` state as a `slurm` check next to the host
     checks. Drained or draining is WARN with Slurm's reason (jobs avoid it; the health check or an
-    operator put it there), down is CRIT, idle/allocated/mixed OK."""
+    operator put it there), down is CRIT (with the munge fix where the node's key differs from
+    the controller's), idle/allocated/mixed OK."""
     try:
         out = run_slurm(
             fleet,
@@ -378,6 +463,13 @@ def node_checks(fleet: Fleet, inventory: Inventory, report: Report) -> None:
     for row in out.splitlines():
         name, state, reason = ([*row.strip().split("|"), "", ""])[:3]
         nodes[name] = (state, reason)
+    # Down, or not answering yet (`*`: before SlurmdTimeout sets it down).
+    silent = [
+        h.host
+        for h in report.hosts
+        if (state := nodes.get(h.host, ("",))[0]).startswith("down") or state.endswith("*")
+    ]
+    keys = munge_mismatches(fleet, inventory, silent) if silent else {}
     for host in report.hosts:
         if host.host not in nodes:
             continue  # not a Slurm node (the controller)
@@ -385,7 +477,11 @@ def node_checks(fleet: Fleet, inventory: Inventory, report: Report) -> None:
         detail = state + (f": {reason}" if reason and reason != "none" else "")
         fix = f"fix it, then: scontrol update NodeName={host.host} State=RESUME"
         base = state.rstrip("*~#!%$@^-+")
-        if base.startswith("down"):
+        if host.host in keys:
+            host.checks.append(
+                Check("slurm", CRIT, f"{detail}; {keys[host.host]}", munge_fix([host.host]))
+            )
+        elif base.startswith("down"):
             host.checks.append(Check("slurm", CRIT, detail, fix))
         elif base.startswith("drain"):
             host.checks.append(Check("slurm", WARN, detail, fix))

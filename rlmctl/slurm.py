@@ -11,7 +11,9 @@ Slurm's `--signal=B:TERM@120` reaches the batch shell alone, two minutes before 
 it remembers that and passes SIGTERM on to the training step, whose trainers finish the step,
 save a checkpoint and exit. torchrun's exit code cannot tell that from a crash, so the script
 asks the run directory (`stopped_before_end`) and requeues the job only when it had that
-signal: the job then resumes from the newest checkpoint in the same run directory. A trainer
+signal, or when Slurm preempted the job (its PreemptTime is set: preemption signals the tasks,
+which checkpoint the same way, and Slurm itself would requeue only a job still running when
+GraceTime ends): the job then resumes from the newest checkpoint in the same run directory. A trainer
 that saved and stopped because srun signalled it after a peer died is a failure (the job ends
 FAILED), for `watch` to resubmit without the failed node.
 """
@@ -168,7 +170,8 @@ mv -f "$node_script.$SLURM_JOB_ID" "$node_script"
 
 # The time-limit signal (--signal=B:TERM@N) comes to this shell alone: remember it, and pass
 # it on to the training step, whose trainers then checkpoint and exit. Only a job stopped by
-# this signal requeues; a trainer that stopped because a peer died is a failure.
+# this signal or by preemption requeues; a trainer that stopped because a peer died is a
+# failure.
 limit_signal=false
 on_limit_signal() {{
   limit_signal=true
@@ -185,6 +188,14 @@ step_status=$(mktemp)
 until wait; do :; done  # a trap ends `wait` early; srun's code is in the file
 status=$(cat "$step_status")
 rm -f "$step_status"
+# Preemption (PreemptMode=REQUEUE) signals the steps' tasks, not this shell, at PreemptTime,
+# and Slurm requeues only a job still running when GraceTime ends: a trainer that saved and
+# stopped sooner would leave the job FAILED (seen on the rig, Slurm 22.05). Since this attempt
+# started, a PreemptTime counts as the requeue signal; the requeue below is then the only one.
+preempted_at=$(squeue --noheader --jobs "$SLURM_JOB_ID" --Format=PreemptTime | tr -d ' ')
+if [[ "$preempted_at" == [0-9]* ]] && (( $(date -d "$preempted_at" +%s) >= job_started )); then
+  limit_signal=true
+fi
 set -e
 # How the trainer ended: "asked" (an operator's `rlmctl stop`, recorded before its signal),
 # "requeue" (stopped on the time-limit or preemption signal after a checkpoint: back to the

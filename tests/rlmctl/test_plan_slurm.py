@@ -76,19 +76,27 @@ def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
     assert_one_line_error(missing, 2, "nope.yaml")
 
 
+STOPPED = {"state": "stopped", "step": 40, "max_steps": 100}
+
+
 @pytest.mark.parametrize(
-    ("status", "asked", "limit_signal", "requeued", "exit_code"),
+    ("status", "asked", "limit_signal", "requeued", "exit_code", "preempted"),
     [
         # The time-limit signal came to the batch shell, the trainer saved and stopped: requeue.
-        ({"state": "stopped", "step": 40, "max_steps": 100}, False, True, True, 0),
+        (STOPPED, False, True, True, 0, None),
         # Stopped before its end without that signal (a peer died and srun signalled the rest,
         # or someone signalled the step): a failure for watch, not a requeue onto the same nodes.
-        ({"state": "stopped", "step": 40, "max_steps": 100}, False, False, False, 1),
-        ({"state": "done", "step": 100, "max_steps": 100}, False, True, False, 1),
+        (STOPPED, False, False, False, 1, None),
+        ({"state": "done", "step": 100, "max_steps": 100}, False, True, False, 1, None),
         # `rlmctl stop` recorded its request: the job ends, it does not requeue.
-        ({"state": "stopped", "step": 40, "max_steps": 100}, True, False, False, 1),
+        (STOPPED, True, False, False, 1, None),
+        # Preempted (squeue shows a PreemptTime since this attempt started; Slurm signalled the
+        # tasks, not the shell): requeued by the script, once.
+        (STOPPED, False, False, True, 0, "now"),
+        # A PreemptTime from before this attempt (an earlier preemption) is not this stop's.
+        (STOPPED, False, False, False, 1, "-1 hour"),
     ],
-    ids=["time-limit", "peer-failed", "done", "rlmctl-stop"],
+    ids=["time-limit", "peer-failed", "done", "rlmctl-stop", "preempted", "preempted-before"],
 )
 def test_slurm_script_requeues_only_a_run_stopped_by_the_time_limit_signal(
     local_inventory: Path,
@@ -98,6 +106,7 @@ def test_slurm_script_requeues_only_a_run_stopped_by_the_time_limit_signal(
     limit_signal: bool,
     requeued: bool,
     exit_code: int,
+    preempted: str | None,
 ) -> None:
     # srun and scontrol cannot run here: stand-ins on PATH play Slurm's part. srun exits 1 the
     # way torchrun does after its workers were signalled; before that it sends the batch shell
@@ -121,6 +130,9 @@ def test_slurm_script_requeues_only_a_run_stopped_by_the_time_limit_signal(
     (bin_dir / "srun").write_text(srun + "exit 1\n")
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
     (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scancel.log\n')
+    # squeue --Format=PreemptTime as Slurm 22.05 prints it: N/A, or a local time.
+    when = f"date -d '{preempted}' +%Y-%m-%dT%H:%M:%S" if preempted else "echo N/A"
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\n{when}\n")
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     env = {

@@ -34,6 +34,13 @@ SITE_TAGS = "common,trainer_env,slurm"
 SLURM_TAGS = "slurm"
 CHECK_TAGS = "common,slurm"
 HEALTH_INTERVAL_S = 20
+# SlurmdTimeout: a node that stops answering (a munge key that differs) is DOWN after this, not
+# after Slurm's 300 s; slurmctld pings every third of it.
+SLURMD_TIMEOUT_S = 30
+# A partition over the same nodes whose jobs preempt those of `compute` (preempt/partition_prio,
+# PreemptMode=REQUEUE); its GraceTime is the preempted trainer's time to checkpoint.
+URGENT = "urgent"
+PREEMPT_GRACE_S = 60
 # Every trainer of the module's jobs appends the sample positions it trains on to
 # <run>/ledger-rank<r>.jsonl (the test hook of tests/trainer/faults.py). The jobs' workers import
 # it from the shared directory, their working directory (`install_ledger_hooks`); the batch
@@ -75,6 +82,13 @@ def slurm_inventory(rig: Rig, work: Path) -> dict[str, Any]:
             # only cost the shared cores less (each round runs rlmctl's host checks per node).
             "slurm_health_interval": HEALTH_INTERVAL_S,
             "rlm_comm_env": LEDGER_ENV,
+            "slurm_slurmd_timeout": SLURMD_TIMEOUT_S,
+            "slurm_preemption": True,
+            "slurm_preempt_grace_time": PREEMPT_GRACE_S,
+            "slurm_partitions": [
+                {"name": "compute", "group": "compute", "default": True},
+                {"name": URGENT, "group": "compute", "priority_tier": 2},
+            ],
         }
     )
     return inventory

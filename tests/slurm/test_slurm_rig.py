@@ -28,6 +28,8 @@ from tests.slurm.slurm_rig import (
     SITE_TAGS,
     SLOT,
     SLURM_TAGS,
+    SLURMD_TIMEOUT_S,
+    URGENT,
     install_ledger_hooks,
     prepare_corpus,
     remount_cgroups_writable,
@@ -97,7 +99,8 @@ def test_site_brings_slurm_up_and_a_rerun_changes_nothing(cluster: Cluster) -> N
 def test_sinfo_shows_every_compute_node_idle(cluster: Cluster) -> None:
     assert cluster.first.rc == 0
     out = cluster.rig.exec("node1", "sinfo --noheader --Node --format='%N %P %T'").stdout
-    assert sorted(out.split("\n")[:-1]) == [f"{n} compute* idle" for n in COMPUTE], out
+    expected = [f"{n} {p} idle" for n in COMPUTE for p in ("compute*", URGENT)]
+    assert sorted(out.split("\n")[:-1]) == expected, out
 
 
 def test_munge_key_is_one_key_private_to_munge(cluster: Cluster) -> None:
@@ -328,6 +331,32 @@ def assert_ledger_exact(run_dir: Path, steps: int, global_batch: int = 8) -> Non
         assert sorted(positions) == expected, f"step {step}: {sorted(positions)}"
 
 
+def paced_inventory(cluster: Cluster, tmp_path: Path) -> Path:
+    """The module's inventory with every job's steps held back (PACED_ENV)."""
+    paced = yaml.safe_load(cluster.inventory.read_text())
+    paced["all"]["vars"]["rlm_comm_env"] = PACED_ENV
+    inventory = tmp_path / "paced.yml"
+    inventory.write_text(yaml.safe_dump(paced))
+    return inventory
+
+
+def assert_requeued_once_and_resumed(
+    cluster: Cluster, final: dict, job: str, saved: int, steps: int
+) -> None:
+    """The run finished `done` in its own job, back from the queue once, resumed from the
+    checkpoint the signal made, every sample of the run trained exactly once."""
+    assert final["state"] == "done" and final["step"] == steps, final
+    assert final["slurm"]["job_id"] == job  # the same job, back from the queue
+    shown = cluster.rig.exec("node1", f"scontrol show job {job}").stdout
+    assert "Restarts=1" in shown, shown
+    run_dir = RunDir(Path(final["run_dir"]))
+    output = (run_dir.path / f"slurm-{job}.out").read_text()
+    assert "SIGTERM: stopping after this step and saving a checkpoint" in output
+    starts = [r["step"] for r in read_jsonl(run_dir.path / "ledger-rank0.jsonl")]
+    assert saved in starts and starts[starts.index(saved) - 1] == saved - 1  # resumed there
+    assert_ledger_exact(run_dir.path, steps)
+
+
 def test_a_short_time_limit_checkpoints_on_the_signal_requeues_and_finishes(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -337,10 +366,7 @@ def test_a_short_time_limit_checkpoints_on_the_signal_requeues_and_finishes(
     once requeued, the test lifts the limit and Slurm's requeue hold so the rest runs at once."""
     assert cluster.first.rc == 0
     rig, run, steps = cluster.rig, "slurm-time-limit", 200
-    paced = yaml.safe_load(cluster.inventory.read_text())
-    paced["all"]["vars"]["rlm_comm_env"] = PACED_ENV
-    inventory = tmp_path / "paced.yml"
-    inventory.write_text(yaml.safe_dump(paced))
+    inventory = paced_inventory(cluster, tmp_path)
     overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=1000"]
     argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2", "--time", "3", "--json"]
     launched = rlmctl("-i", str(inventory), *argv, *overrides, timeout=180)
@@ -365,16 +391,70 @@ def test_a_short_time_limit_checkpoints_on_the_signal_requeues_and_finishes(
         480,
         "the requeued job to complete",
     )
-    assert final["state"] == "done" and final["step"] == steps, final
-    assert final["slurm"]["job_id"] == job  # the same job, back from the queue
-    shown = rig.exec("node1", f"scontrol show job {job}").stdout
-    assert "Restarts=1" in shown, shown
-    run_dir = RunDir(Path(final["run_dir"]))
-    output = (run_dir.path / f"slurm-{job}.out").read_text()
-    assert "SIGTERM: stopping after this step and saving a checkpoint" in output
-    starts = [r["step"] for r in read_jsonl(run_dir.path / "ledger-rank0.jsonl")]
-    assert saved in starts and starts[starts.index(saved) - 1] == saved - 1  # resumed there
-    assert_ledger_exact(run_dir.path, steps)
+    assert_requeued_once_and_resumed(cluster, final, job, saved, steps)
+
+
+def test_preemption_checkpoints_on_the_signal_requeues_and_finishes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A job of the higher-tier partition (URGENT) that needs every compute node preempts a
+    2-node run (preempt/partition_prio, PreemptMode=REQUEUE): Slurm sends the run's tasks
+    SIGTERM, the trainers save and stop, the batch script sees the job's PreemptTime and
+    requeues it (once: Slurm would requeue only a job still running when GraceTime ends, and
+    leaves one that ended sooner FAILED, as seen on the rig before the script handled it); the
+    urgent job runs, then the run resumes from that checkpoint under its own id and finishes.
+    `watch` follows it throughout without a failure. Steps held back (PACED_ENV) so the run
+    cannot end before the preemption; the test lifts Slurm's requeue hold."""
+    assert cluster.first.rc == 0
+    rig, run, steps = cluster.rig, "slurm-preempt", 60
+    inventory = paced_inventory(cluster, tmp_path)
+    overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=1000"]
+    argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2", "--json"]
+    launched = rlmctl("-i", str(inventory), *argv, *overrides, timeout=180)
+    assert launched.returncode == 0, launched.stderr
+    job = json.loads(launched.stdout)["job_id"]
+    watch = ["watch", run, "--poll", "1", "--backoff", "1", "--stall", "300"]
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "rlmctl", "-i", str(inventory), *watch],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+    urgent = ""
+    try:
+        wait_for(lambda: (status_of(cluster, run).get("step") or 0) >= 3, 240, "step 3")
+        urgent = rig.exec(
+            "node1",
+            f"sbatch --parsable --partition={URGENT} --nodes={len(COMPUTE)} --exclusive "
+            "--output=/dev/null --wrap true",
+        ).stdout.strip()
+        requeued = wait_for(
+            lambda: (
+                (s := status_of(cluster, run))
+                and s["slurm"]["state"] == "PENDING"
+                and s["state"] == "stopped"
+                and s
+            ),
+            180,
+            "the job requeued after preemption",
+            lambda: rig.exec("node1", f"scontrol show job {job}").stdout,
+        )
+        saved = requeued["checkpoint"]["step"]
+        assert requeued["checkpoint"]["valid"] and 0 < saved < steps, requeued
+        wait_for(lambda: job_gone(cluster, urgent), 120, f"the urgent job {urgent} to end")
+        assert job_state(cluster, urgent) == "COMPLETED"
+        rig.exec("node1", f"scontrol update JobId={job} StartTime=now")
+        output, _ = watcher.communicate(timeout=480)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
+    assert watcher.returncode == 0 and "failure" not in output, output
+    assert f"run {run} done at step {steps}" in output, output
+    final = status_of(cluster, run)
+    assert final["slurm"]["state"] == "COMPLETED", final
+    assert_requeued_once_and_resumed(cluster, final, job, saved, steps)
 
 
 def registry_rows(cluster: Cluster) -> list[str]:
@@ -413,6 +493,62 @@ def test_a_job_slurm_refuses_is_one_line_and_leaves_nothing(
     assert registry_rows(cluster) == before
 
 
+def runs_listing(cluster: Cluster) -> list[str]:
+    runs = cluster.rig.shared_dir / "runs"
+    return sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) if runs.exists() else []
+
+
+def test_a_node_whose_munge_key_differs_is_down_with_the_fix_and_launch_says_so(
+    cluster: Cluster,
+) -> None:
+    """node4 gets a munge key of its own (munge restarted there): it cannot answer slurmctld's
+    pings, so Slurm sets it DOWN "Not responding" after SlurmdTimeout (SLURMD_TIMEOUT_S on the
+    rig). `rlmctl health` names the key and the fix; a launch that needs node4 (3 nodes) is one
+    line with both and leaves the registry and the runs directory as they were; with the
+    cluster's key back node4 returns to idle by itself (ReturnToService=2), so the later tests
+    of the module have all three nodes.
+
+    What the real daemons said (Slurm 22.05.8 on this rig): node4's slurmd.log "Munge decode
+    failed: Invalid credential" / "REQUEST_PING has authentication error: Invalid
+    authentication credential"; slurmctld.log "[node4]:6818 failed: Zero Bytes were transmitted
+    or received", then "Nodes node4 not responding, setting DOWN" (43 s after the restart);
+    `sinfo`: `idle*`, then `down*` with Reason "Not responding"; `sbatch --test-only --nodes=3`:
+    "allocation failure: Requested node configuration is not available"."""
+    assert cluster.first.rc == 0
+    rig, run = cluster.rig, "slurm-munge"
+    key, kept = "/etc/munge/munge.key", "/root/munge.key.cluster"
+    rig.exec("node4", f"cp -p {key} {kept} && head -c 1024 /dev/urandom >{key}")
+    rig.exec("node4", "systemctl restart munge")
+    try:
+        state, reason = wait_for(
+            lambda: (s := node_state(cluster, "node4"))[0].startswith("down") and s,
+            2 * SLURMD_TIMEOUT_S + 60,
+            "node4 down after its munge key changed",
+            lambda: rig.exec("node1", "scontrol show node node4").stdout,
+        )
+        assert (state, reason) == ("down*", "Not responding")
+        slurm = health_checks_of(cluster)["node4"]["slurm"]
+        assert slurm["state"] == "CRIT", slurm
+        assert "munge key differs from the controller's" in slurm["detail"], slurm
+        assert "Invalid credential" in slurm["detail"], slurm
+        assert "rerun site.yml --tags slurm" in slurm["fix"], slurm
+        before = (registry_rows(cluster), runs_listing(cluster))
+        # 3 nodes × 1 worker: the global batch must divide over 3 workers.
+        argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "3", *TINY]
+        result = rlmctl("-i", str(cluster.inventory), *argv, "train.global_batch=6", timeout=180)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, result.stderr
+        assert "Requested node configuration is not available" in lines[0], lines[0]
+        assert "node4 is down* (Not responding)" in lines[0], lines[0]
+        assert "munge key differs" in lines[0] and "rerun site.yml --tags slurm" in lines[0]
+        assert (registry_rows(cluster), runs_listing(cluster)) == before
+    finally:
+        # What the role's rerun does on node4 (the controller's key back, munge restarted),
+        # without the play's minute.
+        rig.exec("node4", f"mv -f {kept} {key} && systemctl restart munge")
+    wait_for(lambda: node_state(cluster, "node4")[0] == "idle", 120, "node4 back in service")
+
+
 def health_checks_of(cluster: Cluster) -> dict[str, dict[str, dict]]:
     """Per host, its `rlmctl health --json` checks by name."""
     result = rlmctl("-i", str(cluster.inventory), "health", "--json", timeout=180)
@@ -443,7 +579,7 @@ HEALTH_PROGRAM = "/usr/local/sbin/rlm-node-health"
 def node_state(cluster: Cluster, node: str) -> tuple[str, str]:
     """The node's state (`idle`, `drained`, ...) and reason, as sinfo says."""
     out = cluster.rig.exec(
-        "node1", f"sinfo --noheader --Node --nodes={node} --format='%T|%300E'"
+        "node1", f"sinfo --noheader --Node --partition=compute --nodes={node} --format='%T|%300E'"
     ).stdout
     state, _, reason = out.strip().partition("|")
     return state.strip(), reason.strip()
@@ -612,7 +748,9 @@ def test_the_epilog_cleans_up_after_a_user_once_their_last_job_on_the_node_ends(
 
 
 def compute_nodes_idle(cluster: Cluster) -> bool:
-    out = cluster.rig.exec("node1", "sinfo --noheader --Node --format='%N %T' || true").stdout
+    out = cluster.rig.exec(
+        "node1", "sinfo --noheader --Node --partition=compute --format='%N %T' || true"
+    ).stdout
     return sorted(out.split("\n")[:-1]) == [f"{n} idle" for n in COMPUTE]
 
 
