@@ -152,8 +152,8 @@ def wait_for(
     return value
 
 
-def status_of(cluster: Cluster, run: str) -> dict:
-    result = rlmctl("-i", str(cluster.inventory), "status", run, "--json")
+def status_of(cluster: Cluster, run: str, inventory: Path | None = None) -> dict:
+    result = rlmctl("-i", str(inventory or cluster.inventory), "status", run, "--json")
     assert "Traceback" not in result.stderr, result.stderr
     return json.loads(result.stdout) if result.stdout.strip() else {}
 
@@ -241,6 +241,51 @@ def test_resume_after_stop_finishes_in_the_same_run_directory(cluster: Cluster) 
     assert sorted(logged) == list(range(1, steps + 1)), logged
     again = rlmctl("-i", str(cluster.inventory), "resume", run, timeout=60)
     assert again.returncode != 0 and "is done" in again.stderr, again.stderr
+
+
+def trainer_cgroups(cluster: Cluster, node: str, run_dir: Path) -> list[str]:
+    """Where systemd placed every process on `node` whose command line names the run directory:
+    its line of the systemd hierarchy (`0::` under cgroup v2, `name=systemd` on the rig's v1)."""
+    text = str(run_dir)
+    pattern = f"[{text[0]}]{text[1:]}"
+    script = (
+        f"for p in $(pgrep -f '{pattern}'); do"
+        f" grep -E '^0::|:name=systemd:' /proc/$p/cgroup 2>/dev/null; done"
+    )
+    return cluster.rig.exec(node, script).stdout.split()
+
+
+def test_an_ssh_launch_on_the_same_nodes_runs_in_the_trainer_slice_and_stops_clean(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The SSH launcher on provisioned systemd nodes (roles/common's rlm-trainer.slice installed):
+    each host's launcher starts in a transient unit of that slice, trains, and `rlmctl stop`
+    checkpoints and leaves no process. (Every SSH launch there once failed with KeyError
+    'run_dir': the launch config lacked what the transient unit is named from.)"""
+    assert cluster.first.rc == 0
+    site = yaml.safe_load(cluster.inventory.read_text())
+    site["all"]["vars"]["rlm_scheduler"] = "ssh"
+    inventory = write_inventory(tmp_path / "ssh.yml", site)
+    run, nodes = "ssh-on-systemd", ["node2", "node3"]
+    argv = ["--limit", ",".join(nodes), "launch", "--config", CONFIG, "--name", run]
+    overrides = [*TINY, "train.steps=100000", "checkpoint.interval_steps=1000"]
+    result = rlmctl("-i", str(inventory), *argv, "--nodes", "2", *overrides, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    status = wait_for(
+        lambda: (s := status_of(cluster, run, inventory)) and (s.get("step") or 0) >= 2 and s,
+        240,
+        "step 2 of the SSH launch",
+    )
+    run_dir = Path(status["run_dir"])
+    for node in nodes:
+        cgroups = trainer_cgroups(cluster, node, run_dir)
+        assert cgroups and all("/rlm-trainer.slice/" in c for c in cgroups), (node, cgroups)
+    stopped = rlmctl("-i", str(inventory), "stop", run, "--timeout", "90", timeout=240)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    final = status_of(cluster, run, inventory)
+    assert final["state"] == "stopped" and final["checkpoint"]["valid"], final
+    assert final["checkpoint"]["step"] >= 2
+    assert run_processes(cluster, run_dir) == {}
 
 
 def hostnames(cluster: Cluster, nodelist: str) -> list[str]:
