@@ -7,6 +7,8 @@ The roles' only way to default an rlm_* variable, so that Ansible, rlmctl and th
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 import yaml
@@ -26,10 +28,22 @@ options:
 SPEC = Path(__file__).resolve().parents[2] / "clusterspec" / "variables.yml"
 
 
+# libyaml's loader where PyYAML has it: the pure-Python one takes 40-160 ms for this file.
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+@functools.lru_cache(maxsize=1)
+def _spec(mtime_ns: int) -> dict:
+    """The parsed file, once per process and version of the file: Ansible templates a role
+    default (so this lookup) on every task that reads it, on every host."""
+    return yaml.load(SPEC.read_text(encoding="utf-8"), Loader=LOADER)
+
+
 class LookupModule(LookupBase):
     def run(self, terms, variables=None, **kwargs):
-        spec = yaml.safe_load(SPEC.read_text(encoding="utf-8"))
+        spec = _spec(SPEC.stat().st_mtime_ns)
         missing = [t for t in terms if t not in spec]
         if missing:
             raise AnsibleLookupError(f"{', '.join(missing)} not defined in {SPEC}")
-        return [spec[t]["default"] for t in terms]
+        # Copies: the cached defaults must not change with what a caller does to its value.
+        return [copy.deepcopy(spec[t]["default"]) for t in terms]

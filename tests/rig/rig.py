@@ -375,12 +375,25 @@ class Rig:
     def reboot(self, host: Host | str, timeout: float = 120) -> None:
         """`systemctl reboot` inside a systemd node; returns once the new boot has finished
         starting its units (`systemctl is-system-running --wait`) and sshd answers."""
-        target = self.host(host)
-        if target.release is None:
-            raise RigError(f"{target.name} has no init to reboot; use a systemd node (release=)")
-        before = self._init(target)
-        self.exec(target, "systemctl reboot", check=False, timeout=timeout)
-        self.wait_booted(target, timeout, not_init=before)
+        self.reboot_all([host], timeout)
+
+    def reboot_all(self, hosts: Sequence[Host | str], timeout: float = 120) -> None:
+        """`reboot` of several systemd nodes at once, as a cluster's nodes reboot: every node is
+        told to reboot, then each one's new boot is awaited (`timeout` for them all)."""
+        targets = [self.host(h) for h in hosts]
+        for target in targets:
+            if target.release is None:
+                raise RigError(
+                    f"{target.name} has no init to reboot; use a systemd node (release=)"
+                )
+        deadline = time.monotonic() + timeout
+        before = {}
+        for target in targets:
+            before[target.name] = self._init(target)
+            self.exec(target, "systemctl reboot", check=False, timeout=timeout)
+        for target in targets:
+            left = max(1.0, deadline - time.monotonic())
+            self.wait_booted(target, left, not_init=before[target.name])
 
     def wait_booted(
         self, host: Host | str, timeout: float = 120, not_init: ProcessId | None = None
