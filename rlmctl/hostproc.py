@@ -192,10 +192,27 @@ def status(cfg):
     return {"alive": alive, "processes": processes}
 
 
+def parent_pid(pid):
+    info = read_proc(pid)
+    return info[0] if info else None
+
+
+def stop_targets(processes):
+    """Whom a stop's SIGTERM goes to: each root of the run's process tree on this host (the
+    launcher shell, or a worker whose torchrun is gone) and the roots' children (torchrun).
+    Not torchrun's workers: torchrun forwards the signal to them, and a worker that got it twice
+    would take the second as "exit now" and skip its checkpoint (trainer/train.py)."""
+    pids = {pid for pid, _ in processes}
+    parents = {pid: parent_pid(pid) for pid in pids}
+    roots = {pid for pid, parent in parents.items() if parent not in pids}
+    return sorted(pid for pid, parent in parents.items() if pid in roots or parent in roots)
+
+
 def stop(cfg):
-    """SIGTERM, wait up to the timeout for a clean exit, then SIGKILL whatever is left."""
+    """SIGTERM to the roots of the run's processes and their children, wait up to the timeout
+    for a clean exit, then SIGKILL whatever is left."""
     before = run_processes(cfg)
-    signal_all([pid for pid, _ in before], signal.SIGTERM)
+    signal_all(stop_targets(before), signal.SIGTERM)
     deadline = time.time() + cfg["timeout"]
     remaining = run_processes(cfg)
     while remaining and time.time() < deadline:

@@ -116,3 +116,54 @@ def test_the_start_config_rlmctl_sends_names_the_trainers_unit(local_inventory: 
     # The payload travels as JSON, as it does over SSH.
     unit = hostproc.unit_name(json.loads(json.dumps(cfg)))
     assert unit.startswith("rlm-run-unit-probe-localhost-") and unit.endswith(".service"), unit
+
+
+# A stand-in for torchrun and its worker: torchrun forwards the SIGTERM it gets to its worker
+# (as torch.distributed.elastic does) and waits for it; the worker records every SIGTERM it gets
+# and, like the trainer, treats a second one as "exit now" (trainer/train.py).
+FORWARDING_LAUNCHER = r"""
+import signal, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+def forward(signum, frame):
+    worker.send_signal(signal.SIGTERM)
+signal.signal(signal.SIGTERM, forward)
+sys.exit(worker.wait())
+"""
+COUNTING_WORKER = r"""
+import os, signal, sys, time
+log = sys.argv[1]
+def record(signum, frame):
+    with open(log, "a") as f:
+        f.write("TERM\n")
+signal.signal(signal.SIGTERM, record)
+with open(log, "a") as f:
+    f.write(f"ready {os.getpid()}\n")
+while open(log).read().count("TERM") == 0:
+    time.sleep(0.05)
+time.sleep(1.0)  # the stop's checkpoint; a second SIGTERM meanwhile would abort it
+"""
+
+
+def test_stop_signals_the_launcher_not_workers_it_forwards_to(tmp_path: Path) -> None:
+    """A worker gets one SIGTERM from a stop, through its torchrun: signalling every process of
+    the run as well gave it a second one, which the trainer takes as "exit now, no checkpoint"."""
+    run_dir, log = str(tmp_path / "run"), tmp_path / "signals"
+    ident = {"run_dir": run_dir, "host": "h1"}
+    argv = [sys.executable, "-c", FORWARDING_LAUNCHER, COUNTING_WORKER, str(log)]
+    started = call(
+        "start",
+        ident
+        | {
+            "argv": argv,
+            "env": {"RLMCTL_RUN": run_dir, "RLMCTL_HOST": "h1"},
+            "log": str(tmp_path / "launcher.log"),
+            "exit_file": str(tmp_path / "exit.json"),
+            "cwd": str(tmp_path),
+        },
+    )
+    wait_for(lambda: log.exists() and "ready" in log.read_text(), 20)
+    stopped = call("stop", ident | started | {"timeout": 10})
+    assert stopped["remaining"] == [] and stopped["killed"] == [], stopped
+    assert log.read_text().count("TERM") == 1, log.read_text()
+    record = wait_for(lambda: read_json(tmp_path / "exit.json"), 10)
+    assert record["exit_code"] == 0  # the worker finished its save and exited cleanly
