@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from tests.ansible.playbook_run import PlaybookRun, run_playbook, write_inventor
 from tests.ansible.systemd_site import connection_vars
 from tests.ansible.vendor_repo import SigningKey, StandIn, write_flat_repo, write_suite_repo
 from tests.rig import Rig
-from tests.rig.image import ensure_image
+from tests.rig.image import ensure_image, index_flat_repo
 from tests.test_rig_systemd import systemd_unavailable
 
 pytestmark = pytest.mark.rig
@@ -169,10 +168,7 @@ class Node:
         mirror.mkdir()
         for deb in debs:
             shutil.copy(deb, mirror)
-        packages = subprocess.run(
-            ["apt-ftparchive", "packages", "."], cwd=mirror, capture_output=True, check=True
-        ).stdout
-        (mirror / "Packages").write_bytes(packages)
+        index_flat_repo(mirror)
         self.sh(
             f"echo 'deb [trusted=yes] file:{mirror} ./' > /etc/apt/sources.list.d/mirror.list"
             " && apt-get update -qq"
@@ -260,23 +256,24 @@ def nvidia_stand_ins() -> list[StandIn]:
     )
 
 
+def gpu_driver_playbook(node: Node, name: str, role: str) -> Path:
+    """A playbook that runs gpu_detect and the vendor's driver role on the node."""
+    play = {
+        "name": "GPU drivers",
+        "hosts": "mgmt",
+        "gather_facts": True,
+        "gather_subset": ["min"],
+        "roles": ["gpu_detect", role],
+    }
+    return node.playbook(name, [play])
+
+
 def test_a_gpu_driver_and_nccl_bump_converges_and_the_pin_holds_apt(node: Node) -> None:
     key = SigningKey(node.work / "gnupg")
     base = node.rig.shared_dir / "vendor" / "cuda"
     # The site's mirror of developer.download.nvidia.com/compute/cuda/repos, same layout.
     write_flat_repo(base / "ubuntu2204/x86_64", nvidia_stand_ins(), key, node.work / "debs")
-    playbook = node.playbook(
-        "gpu",
-        [
-            {
-                "name": "GPU drivers",
-                "hosts": "mgmt",
-                "gather_facts": True,
-                "gather_subset": ["min"],
-                "roles": ["gpu_detect", "gpu_nvidia"],
-            }
-        ],
-    )
+    playbook = gpu_driver_playbook(node, "gpu", "gpu_nvidia")
     site = {
         # An Ubuntu 22.04 H100 node as the role sees it; the rig's bookworm userland installs.
         "rlm_gpu_vendor": "nvidia",
@@ -378,18 +375,7 @@ def test_a_rocm_and_amdgpu_bump_converges_and_the_pin_holds_apt(node: Node) -> N
         f"echo 'deb [trusted=yes] file:{distribution} ./' > /etc/apt/sources.list.d/ubuntu.list"
         " && apt-get update -qq"
     )
-    playbook = node.playbook(
-        "gpu-amd",
-        [
-            {
-                "name": "GPU drivers",
-                "hosts": "mgmt",
-                "gather_facts": True,
-                "gather_subset": ["min"],
-                "roles": ["gpu_detect", "gpu_amd"],
-            }
-        ],
-    )
+    playbook = gpu_driver_playbook(node, "gpu-amd", "gpu_amd")
     site = {
         # An Ubuntu 22.04 MI300X node as the role sees it; the rig's bookworm userland installs.
         "rlm_gpu_vendor": "amd",

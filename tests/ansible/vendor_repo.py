@@ -16,6 +16,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.rig.image import index_flat_repo
+
 
 @dataclass(frozen=True)
 class StandIn:
@@ -91,14 +93,7 @@ def write_flat_repo(repo: Path, packages: list[StandIn], key: SigningKey, build_
     repo.mkdir(parents=True, exist_ok=True)
     for package in packages:
         build_deb(package, repo, build_dir)
-    packages_index = subprocess.run(
-        ["apt-ftparchive", "packages", "."], cwd=repo, check=True, capture_output=True
-    ).stdout
-    (repo / "Packages").write_bytes(packages_index)
-    release = subprocess.run(
-        ["apt-ftparchive", "release", "."], cwd=repo, check=True, capture_output=True
-    ).stdout
-    (repo / "Release").write_bytes(release)
+    index_flat_repo(repo)
     key.clearsign(repo / "Release", repo / "InRelease")
 
 

@@ -176,6 +176,15 @@ def _build(suite: str, path: Path) -> None:
             shutil.rmtree(path_)
         else:
             path_.unlink(missing_ok=True)
+    index_flat_repo(repo)
+    (staging / "ready").write_text(
+        json.dumps({"suite": suite, "built_s": round(time.monotonic() - started, 1)}) + "\n"
+    )
+    staging.rename(path)
+
+
+def index_flat_repo(repo: Path) -> None:
+    """Packages and Release for the .debs in `repo`, a flat apt repository (`deb file:repo ./`)."""
     packages = subprocess.run(
         ["apt-ftparchive", "packages", "."], cwd=repo, capture_output=True, check=True
     ).stdout
@@ -184,7 +193,3 @@ def _build(suite: str, path: Path) -> None:
         ["apt-ftparchive", "release", "."], cwd=repo, capture_output=True, check=True
     ).stdout
     (repo / "Release").write_bytes(release)
-    (staging / "ready").write_text(
-        json.dumps({"suite": suite, "built_s": round(time.monotonic() - started, 1)}) + "\n"
-    )
-    staging.rename(path)
