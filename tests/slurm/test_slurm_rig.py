@@ -405,6 +405,24 @@ def assert_requeued_once_and_resumed(
     assert_ledger_exact(run_dir.path, steps)
 
 
+def wait_for_requeue(
+    cluster: Cluster, run: str, timeout: float, what: str, diagnose: Callable[[], str]
+) -> dict:
+    """The run's status once its job is back in the queue (PENDING) and the trainer has
+    stopped after saving."""
+    return wait_for(
+        lambda: (
+            (s := status_of(cluster, run))
+            and s["slurm"]["state"] == "PENDING"
+            and s["state"] == "stopped"
+            and s
+        ),
+        timeout,
+        what,
+        diagnose,
+    )
+
+
 def test_a_short_time_limit_checkpoints_on_the_signal_requeues_and_finishes(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -420,13 +438,9 @@ def test_a_short_time_limit_checkpoints_on_the_signal_requeues_and_finishes(
     launched = rlmctl("-i", str(inventory), *argv, *overrides, timeout=180)
     assert launched.returncode == 0, launched.stderr
     job = json.loads(launched.stdout)["job_id"]
-    requeued = wait_for(
-        lambda: (
-            (s := status_of(cluster, run))
-            and s["slurm"]["state"] == "PENDING"
-            and s["state"] == "stopped"
-            and s
-        ),
+    requeued = wait_for_requeue(
+        cluster,
+        run,
         300,
         "the job requeued after the time-limit signal",
         lambda: json.dumps(status_of(cluster, run)),
@@ -477,13 +491,9 @@ def test_preemption_checkpoints_on_the_signal_requeues_and_finishes(
             f"sbatch --parsable --partition={URGENT} --nodes={len(COMPUTE)} --exclusive "
             "--output=/dev/null --wrap true",
         ).stdout.strip()
-        requeued = wait_for(
-            lambda: (
-                (s := status_of(cluster, run))
-                and s["slurm"]["state"] == "PENDING"
-                and s["state"] == "stopped"
-                and s
-            ),
+        requeued = wait_for_requeue(
+            cluster,
+            run,
             180,
             "the job requeued after preemption",
             lambda: rig.exec("node1", f"scontrol show job {job}").stdout,
