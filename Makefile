@@ -47,10 +47,12 @@ lint: venv
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint --offline --profile production playbooks roles
 
+# Two workers, a test file at a time each: the rig modules wait on daemons much of the time
+# (tests/conftest.py). `pytest FILE` alone runs in one process as usual.
 test: venv
 	$(call ensure_packages,$(TEST_SYSTEM_PACKAGES))
 	$(MAKE) lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: venv
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -4,6 +4,12 @@
 `make_rig(n)`: a private rig of n hosts for one test, free to break; torn down after the test.
 Both use RLM_RIG_ID (default 0). Tests using them are marked `rig` automatically and skip, with
 the reason, where root or namespaces are unavailable.
+
+`make test` runs two pytest-xdist workers, one test file at a time each (`--dist loadfile`): the
+slow rig modules spend much of their time waiting on daemons (Slurm's timeouts, systemd boots,
+dpkg), which the other worker fills. Worker N gets rig id RLM_RIG_ID + N, so every worker's rigs
+have names, subnets and state directories of their own (docs/rig.md), and the slowest modules are
+handed out first so that neither worker is left with one at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +29,25 @@ import pytest
 import torch._dynamo  # noqa: F401
 
 from tests.rig import Rig
-from tests.rig.layout import MAX_SLOTS
+from tests.rig.layout import MAX_SLOTS, RIG_ID_ENV, rig_id_from_env
+
+# Longest first (minutes on 2 quiet cores, docs/rig.md); the rest keep their collection order.
+SLOWEST_MODULES = (
+    "tests/slurm/test_slurm_rig.py",
+    "tests/ansible/test_site_systemd.py",
+    "tests/ansible/test_version_bump.py",
+    "tests/monitoring/test_e2e_rig.py",
+    "tests/ansible/test_rig_apply.py",
+)
+
+
+def _give_this_worker_its_own_rig_id() -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ... under xdist
+    if worker.startswith("gw"):
+        os.environ[RIG_ID_ENV] = str((rig_id_from_env() + int(worker[2:])) % 10)
+
+
+_give_this_worker_its_own_rig_id()
 
 RIG_FIXTURES = {"rig", "make_rig"}
 
@@ -48,6 +72,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if RIG_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.rig)
+
+    def rank(item: pytest.Item) -> int:
+        module = item.nodeid.partition("::")[0]
+        return SLOWEST_MODULES.index(module) if module in SLOWEST_MODULES else len(SLOWEST_MODULES)
+
+    items.sort(key=rank)  # stable: within a module and among the rest, collection order holds
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from rlmctl.inventory import load
 from tests.monitoring import conftest
 from tests.monitoring.conftest import FIXTURES, STANDIN_NVIDIA_SMI
 from tests.monitoring.test_config import MONITORING, dashboard_queries, rules
+from tests.ports import free_port
 from tests.rig import Rig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,12 +63,6 @@ pytestmark = [
         "prometheus-node-exporter",
     ),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str) -> Any:

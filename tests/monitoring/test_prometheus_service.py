@@ -18,7 +18,7 @@ import yaml
 from clusterspec import vendors
 from tests.monitoring.conftest import wait_for
 from tests.monitoring.test_config import render_prometheus
-from tests.monitoring.test_e2e_rig import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "prometheus"

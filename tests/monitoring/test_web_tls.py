@@ -36,7 +36,7 @@ from monitoring import alertmanager_config
 from rlmctl import accept, inventory
 from tests.ansible.playbook_run import run_playbook, write_inventory
 from tests.monitoring.conftest import wait_for
-from tests.monitoring.test_e2e_rig import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_NAME = "mgmt1.rlm.test"  # the name the certificate carries (and localhost, for rlmctl)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -52,7 +54,7 @@ def local_inventory(tmp_path: Path) -> Path:
         "    rlm_gpu_vendor: none\n"
         "    rlm_gpus_per_node: 2\n"
         '    rlm_shared_dir: "{{ inventory_dir }}/../shared"\n'
-        "    rlm_rdzv_port: 29573\n",
+        f"    rlm_rdzv_port: {free_port()}\n",
         encoding="utf-8",
     )
     (tmp_path / "shared").mkdir()

@@ -51,14 +51,15 @@ def test_cli_health_json_exit_codes(local_inventory: Path) -> None:
     # The report is kept for `rlmctl accept` (topology; with --deep the communication path).
     kept = health.read_last_report(str(local_inventory.parent / "shared"))
     assert kept["hosts"][0]["host"] == "localhost" and kept["time"] > 0
+    port = inventory.load(local_inventory).select()[0].rdzv_port
     with socket.socket() as busy:  # the rendezvous port taken: critical, exit 1
-        busy.bind(("0.0.0.0", 29573))
+        busy.bind(("0.0.0.0", port))
         busy.listen()
         result = rlmctl("-i", str(local_inventory), "health", "--json")
     assert result.returncode == 1
     checks = json.loads(result.stdout)["hosts"][0]["checks"]
-    port = next(c for c in checks if c["name"] == "rdzv_port")
-    assert port["state"] == CRIT and "29573" in port["detail"] and "rlmctl stop" in port["fix"]
+    check = next(c for c in checks if c["name"] == "rdzv_port")
+    assert check["state"] == CRIT and str(port) in check["detail"] and "rlmctl stop" in check["fix"]
 
 
 def _cfg(tmp_path: Path, **extra) -> dict:

@@ -62,7 +62,7 @@ def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
     gpu_host = dataclasses.replace(host, gpu_vendor="amd")
     gpu_script = slurm.render(config, "exp1", 4, 8, "gpu", "12:00:00", gpu_host, exclude=["n3"])
     assert "#SBATCH --gpus-per-node=8" in gpu_script and "#SBATCH --exclude=n3" in gpu_script
-    assert '"--rdzv-endpoint", env["head_node"] + ":29573"' in script
+    assert f'"--rdzv-endpoint", env["head_node"] + ":{host.rdzv_port}"' in script
     assert "'--nproc-per-node', '8'" in script and "#SBATCH --signal=B:TERM@120" in script
     assert '"run_dir=" + env["RUN_DIR"]' in script and str(host.runs_dir / "exp1") in script
     # A short limit is signalled a third of it early, so the job trains before its signal.

@@ -601,10 +601,20 @@ def test_a_node_whose_munge_key_differs_is_down_with_the_fix_and_launch_says_so(
         assert "munge key differs" in lines[0] and "rerun site.yml --tags slurm" in lines[0]
         assert (registry_rows(cluster), runs_listing(cluster)) == before
     finally:
-        # What the role's rerun does on node4 (the controller's key back, munge restarted),
-        # without the play's minute.
-        rig.exec("node4", f"mv -f {kept} {key} && systemctl restart munge")
-    wait_for(lambda: node_state(cluster, "node4")[0] == "idle", 120, "node4 back in service")
+        # What the role's rerun does on node4 (roles/slurm/tasks/daemons.yml), without the
+        # play's minute: the controller's key back, munge restarted, and slurmd restarted since
+        # it talked to a munged with another key. Restoring the key and munge alone left node4
+        # down* for over 120 s in one CI run: slurmd registers again only when it restarts or
+        # slurmctld's next registration request gets through.
+        rig.exec(
+            "node4", f"mv -f {kept} {key} && systemctl restart munge && systemctl restart slurmd"
+        )
+    wait_for(
+        lambda: node_state(cluster, "node4")[0] == "idle",
+        120,
+        "node4 back in service",
+        lambda: rig.exec("node1", "scontrol show node node4").stdout,
+    )
 
 
 def health_checks_of(cluster: Cluster) -> dict[str, dict[str, dict]]:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
+from tests.ports import free_port
 from tests.trainer.training_runs import (
     REPO,
     final_weights,
-    free_port,
     overrides,
     start_training,
     tiny_config,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,12 +24,6 @@ def overrides(data: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def tiny_config(data: Path, run_dir: Path, *extra: str) -> Config:
     return load_config(TINY, overrides(data, run_dir, *extra))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
