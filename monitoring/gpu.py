@@ -97,5 +97,6 @@ def kill_tree(process: subprocess.Popen) -> None:
 
 
 def detect_source() -> str | None:
-    """The first vendor tool found on PATH, or None on a node without GPUs or tools."""
+    """The first installed tool of a vendor whose driver is loaded (vendors.detect_tool), or None
+    on a node without GPUs."""
     return vendors.detect_tool()

@@ -179,7 +179,7 @@ def judge_gpus(gpus, expected, limits):
 
 
 def host_vendor(cfg):
-    """rlm_gpu_vendor, with auto resolved by the vendor tool installed here."""
+    """rlm_gpu_vendor, with auto resolved by the GPU driver loaded here."""
     return vendors.detect_vendor() if cfg["vendor"] == "auto" else cfg["vendor"]
 
 
@@ -199,7 +199,7 @@ def read_gpus(vendor):
 def check_gpu(cfg):
     vendor = host_vendor(cfg)
     if vendor == "none":
-        return check("gpu", OK, "skipped (rlm_gpu_vendor=" + cfg["vendor"] + ", no GPU tool)")
+        return check("gpu", OK, "skipped (rlm_gpu_vendor=" + cfg["vendor"] + ", no GPU driver)")
     gpus, failure = read_gpus(vendor)
     if failure:
         fix = f"install/repair the {vendor} driver (ansible-playbook playbooks/site.yml)"

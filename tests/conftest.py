@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,7 @@ import pytest
 # tests no process needs both (rlmctl loads ansible but no dynamo), so import dynamo first here.
 import torch._dynamo  # noqa: F401
 
+from clusterspec import vendors
 from tests.rig import Rig
 from tests.rig.layout import MAX_SLOTS, RIG_ID_ENV, rig_id_from_env
 
@@ -108,3 +110,14 @@ def make_rig() -> Iterator[Callable[[int], Rig]]:
     finally:
         for private in reversed(made):
             private.down()
+
+
+@pytest.fixture
+def gpu_drivers_loaded(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> Path:
+    """Every vendor's driver loaded, as far as `rlm_gpu_vendor: auto` can tell: a /sys/module of
+    the test's own (vendors.SYS_MODULE). The kernel side of the stand-in tools tests put on PATH."""
+    root = tmp_path_factory.mktemp("sys-module")
+    for module in vendors.VENDORS.values():
+        (root / module.KERNEL_MODULE).mkdir()
+    monkeypatch.setattr(vendors, "SYS_MODULE", root)
+    return root  # remove a vendor's directory to unload its driver

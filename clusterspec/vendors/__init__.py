@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 from clusterspec.vendors import amd, nvidia
 from clusterspec.vendors.readings import by_sku
 
 VENDORS: dict[str, ModuleType] = {"nvidia": nvidia, "amd": amd}
+# /sys/module/<KERNEL_MODULE> exists while a vendor's driver is loaded: that, not an installed
+# tool, makes a GPU node (ROCm's rocm-smi and amd-smi are installed on login nodes and in images
+# without GPUs too). Tests point it at a directory of their own, as they put stand-in tools on PATH.
+SYS_MODULE = Path("/sys/module")
 
 
 def tools() -> dict[str, ModuleType]:
@@ -30,15 +35,24 @@ def tool_of(tool: str) -> ModuleType:
     return tools()[tool]
 
 
+def driver_loaded(vendor: str) -> bool:
+    """Whether `vendor`'s kernel driver is loaded on this host."""
+    return (SYS_MODULE / VENDORS[vendor].KERNEL_MODULE).is_dir()
+
+
 def detect_tool(which: Callable[[str], str | None] = shutil.which) -> str | None:
-    """The first vendor tool found on PATH, or None on a node without GPUs or tools."""
-    return next((tool for tool in tools() if which(tool)), None)
+    """The first installed tool of a vendor whose driver is loaded; None on a node without GPUs
+    (or whose driver is loaded but none of its tools installed)."""
+    return next(
+        (tool for tool, module in tools().items() if driver_loaded(module.NAME) and which(tool)),
+        None,
+    )
 
 
-def detect_vendor(which: Callable[[str], str | None] = shutil.which) -> str:
-    """rlm_gpu_vendor=auto: the vendor whose tool is installed; "none" without any."""
-    tool = detect_tool(which)
-    return tools()[tool].NAME if tool else "none"
+def detect_vendor() -> str:
+    """rlm_gpu_vendor=auto: the vendor whose driver is loaded; "none" without any. A loaded driver
+    without its tools is still that vendor's node, and the GPU check says the tool is missing."""
+    return next((name for name in VENDORS if driver_loaded(name)), "none")
 
 
 def vendor_tool(vendor: str, which: Callable[[str], str | None] = shutil.which) -> str:

@@ -48,7 +48,9 @@ def printing_nvidia(fixture: str, exit_code: int = 0, reject: tuple[str, ...] = 
 
 
 @pytest.fixture
-def tool_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def tool_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu_drivers_loaded: Path) -> Path:
+    """A directory for stand-in vendor tools, first on PATH, on a host whose GPU drivers count as
+    loaded."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")

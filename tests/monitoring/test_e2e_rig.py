@@ -243,7 +243,7 @@ def exporter_command(shared: Path, host: str) -> str:
     bin_dir = shared / "e2e" / f"bin-{host}"
     return (
         f"env PATH={bin_dir}:/usr/bin:/bin {VENV_BIN}/rlm-exporter "
-        f"--run-root {shared}/runs --interval 1 --expected-gpus 8"
+        f"--gpu-source nvidia-smi --run-root {shared}/runs --interval 1 --expected-gpus 8"
     )
 
 

@@ -11,6 +11,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from clusterspec import vendors
 from clusterspec.vendors import nvidia
 from monitoring import gpu
@@ -95,16 +97,45 @@ def test_gpu_verdicts_from_the_exporters_parser() -> None:
     assert warm["state"] == WARN and "88 C" in warm["detail"]
 
 
-def test_auto_vendor_without_gpu_tools_is_skipped(tmp_path: Path, monkeypatch) -> None:
+def test_auto_vendor_on_a_host_with_vendor_tools_but_no_gpu_driver_is_no_gpu_node(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The real /sys/module of a host without GPUs, and both AMD tools installed (as ROCm's
+    userland is on login nodes; CI's Makefile installs the real rocm-smi): no GPU node. Detecting
+    by the tool took such a host for an AMD node, and its gate went CRIT on rocm-smi's error."""
+    loaded = [name for name in vendors.VENDORS if vendors.driver_loaded(name)]
+    if loaded:
+        pytest.skip(f"this host has a GPU driver loaded ({loaded})")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("amd-smi", "rocm-smi"):
+        (bin_dir / tool).write_text("#!/bin/sh\necho 'ERROR: Driver not initialized' >&2; exit 1\n")
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     cfg = _cfg(tmp_path, vendor="auto", gpus=8)
-    monkeypatch.setenv("PATH", str(tmp_path))  # no vendor tool (CI installs the real rocm-smi)
-    assert vendors.detect_vendor() == "none"
-    assert hostcheck.check_gpu(cfg)["state"] == OK
+    assert vendors.detect_vendor() == "none" and vendors.detect_tool() is None
+    assert gpu.detect_source() is None
+    assert hostcheck.check_gpu(cfg) == hostcheck.check(
+        "gpu", OK, "skipped (rlm_gpu_vendor=auto, no GPU driver)"
+    )
     assert hostcheck.check_gpu_xid(cfg)["detail"].startswith("skipped")
 
 
-def test_gate_and_exporter_run_the_same_tool_for_amd(tmp_path: Path, monkeypatch) -> None:
+def test_auto_vendor_with_a_driver_loaded_but_no_tool_is_critical(
+    tmp_path: Path, monkeypatch, gpu_drivers_loaded: Path
+) -> None:
+    """A GPU node whose vendor tool is missing is a broken GPU node, not a CPU host."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no tool at all
+    assert vendors.detect_vendor() == "nvidia" and vendors.detect_tool() is None
+    result = hostcheck.check_gpu(_cfg(tmp_path, vendor="auto", gpus=8))
+    assert result["state"] == CRIT and "nvidia driver" in result["fix"], result
+
+
+def test_gate_and_exporter_run_the_same_tool_for_amd(
+    tmp_path: Path, monkeypatch, gpu_drivers_loaded: Path
+) -> None:
     """amd-smi when installed (rocm-smi only without it), read by the same parser."""
+    (gpu_drivers_loaded / nvidia.KERNEL_MODULE).rmdir()  # an AMD node
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     tool = bin_dir / "amd-smi"
