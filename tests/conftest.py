@@ -33,7 +33,8 @@ from clusterspec import vendors
 from tests.rig import Rig
 from tests.rig.layout import MAX_SLOTS, RIG_ID_ENV, rig_id_from_env
 
-# Longest first (minutes on 2 quiet cores, docs/rig.md); the rest keep their collection order.
+# Longest first, by their measured times (docs/rig.md, docs/provisioning.md); the rest keep their
+# collection order.
 SLOWEST_MODULES = (
     "tests/slurm/test_slurm_rig.py",
     "tests/ansible/test_site_systemd.py",

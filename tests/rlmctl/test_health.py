@@ -19,6 +19,7 @@ from monitoring import gpu
 from rlmctl import health, hostcheck, inventory
 from rlmctl.health import CRIT, OK, UNKNOWN, WARN, Check, HostHealth
 from rlmctl.remote import Fleet
+from tests.monitoring.conftest import install_tool
 from tests.monitoring.nvidia_smi_standin import RECORDED_FIELDS
 from tests.rlmctl.conftest import rlmctl
 
@@ -107,10 +108,8 @@ def test_auto_vendor_on_a_host_with_vendor_tools_but_no_gpu_driver_is_no_gpu_nod
     if loaded:
         pytest.skip(f"this host has a GPU driver loaded ({loaded})")
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     for tool in ("amd-smi", "rocm-smi"):
-        (bin_dir / tool).write_text("#!/bin/sh\necho 'ERROR: Driver not initialized' >&2; exit 1\n")
-        (bin_dir / tool).chmod(0o755)
+        install_tool(bin_dir, tool, "echo 'ERROR: Driver not initialized' >&2; exit 1")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     cfg = _cfg(tmp_path, vendor="auto", gpus=8)
     assert vendors.detect_vendor() == "none" and vendors.detect_tool() is None
