@@ -213,6 +213,17 @@ def to_hf_config(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
 def _merge_aliases(values: dict[str, Any], source: Path) -> dict[str, Any]:
     """`values` with every alias renamed to the published field; both given and different is
     an error."""
+    values = dict(values)
+    rope = values.pop("rope_parameters", None)
+    if rope is not None:  # transformers 5's form: {"rope_type": "default", "rope_theta": ...}
+        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
+            raise UserError(
+                f"{source}: rope_parameters={rope!r} is not supported (only plain RoPE, "
+                'rope_type "default")'
+            )
+        theta = rope.get("rope_theta")
+        if theta is not None and values.setdefault("rope_theta", theta) != theta:
+            raise UserError(f"{source}: rope_parameters contradicts rope_theta")
     merged = {k: v for k, v in values.items() if k not in _ALIASES}
     for alias, field in _ALIASES.items():
         if alias not in values:
@@ -222,15 +233,6 @@ def _merge_aliases(values: dict[str, Any], source: Path) -> dict[str, Any]:
                 f"{source}: {alias}={values[alias]!r} contradicts {field}={values[field]!r}"
             )
         merged[field] = values[alias]
-    rope = values.get("rope_parameters")
-    if rope is not None:  # transformers 5's form: {"rope_type": "default", "rope_theta": ...}
-        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
-            raise UserError(
-                f"{source}: rope_parameters={rope!r} is not supported (only plain RoPE, "
-                'rope_type "default")'
-            )
-        if "rope_theta" in rope:
-            merged = _merge_aliases({**merged, "rope_theta": rope["rope_theta"]}, source)
     return merged
 
 

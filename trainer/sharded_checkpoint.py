@@ -72,8 +72,10 @@ def apply_tensor_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     set_model_state_dict(model, state["model"])
-    if state["optimizer"]:  # empty in an imported checkpoint: the optimizer starts fresh
+    if state["optimizer"]:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    else:  # an imported checkpoint (weights only): the optimizer starts fresh, without the
+        optimizer.state.clear()  # zero-gradient step by which `tensor_state` built its template
 
 
 class _HashingFileSystem(FileSystem):
