@@ -3,9 +3,18 @@
 Learnt from the published model's own files (seal-rg/recurrent-pretraining:
 recpre/raven_modeling_minimal.py, recpre/raven_config_minimal.py/.json); no code is shared.
 
-    config.json                     RavenConfig fields (`n_embd`, `n_layers_in_prelude`, ...)
+    config.json                     RavenConfig fields (`n_embd`, `n_layers_in_prelude`, ...),
+                                    `auto_map` to the modelling code below, no tie_word_embeddings
     model.safetensors               one file, or
     model-0000x-of-0000y.safetensors + model.safetensors.index.json (`weight_map`)
+    configuration_raven.py,         this project's transformers classes (trainer/hub/), for
+    modeling_raven.py               AutoConfig / AutoModelForCausalLM with trust_remote_code
+    tokenizer_config.json,          for AutoTokenizer and generate (`token_files`; trainer/export.py
+    generation_config.json          copies tokenizer.json and what came with it)
+
+Import reads config.json files written by `export`, by transformers 4.4x-5.x and by the published
+code (`from_hf_config`: its aliases and defaults; generic transformers fields noted, unknown or
+architecture-changing ones refused in one line).
 
 Parameter names, ours → published:
 

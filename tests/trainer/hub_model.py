@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import CheckpointConfig, CheckpointStore
-from trainer.model import ModelConfig, RecurrentLM
+from trainer.model import PRESETS, ModelConfig, RecurrentLM
 from trainer.rundir import RunDir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "raven_reference.json"
@@ -33,6 +33,16 @@ def formula_model(cfg: ModelConfig = SMALL) -> RecurrentLM:
             norm = name.split(".")[-2] in ("n1", "n2", "n3", "n4", "ln_f")
             values = 1 + 0.1 * wave if norm else 0.15 * wave
             p.copy_(values.view_as(p).float())
+    return model
+
+
+def perturbed_tiny(seed: int, scale: float) -> RecurrentLM:
+    """The tiny preset with seeded noise on every parameter (norm gains, qk biases not trivial)."""
+    torch.manual_seed(seed)
+    model = RecurrentLM(PRESETS["tiny"]).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
     return model
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -12,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.trainer.hub_model import save_checkpoint
+from tests.trainer.hub_model import perturbed_tiny, save_checkpoint
 from tests.trainer.training_runs import run_cli, tiny_config
-from trainer.checkpoint import MODEL_FILE, CheckpointConfig, CheckpointStore
+from trainer.checkpoint import MODEL_FILE
 from trainer.errors import UserError
 from trainer.export import export_checkpoint, import_hf, load_any, load_exported
 from trainer.generate import generate_text
@@ -28,24 +27,8 @@ def checkpoint(
     tmp_path_factory: pytest.TempPathFactory, prepared_data: Path
 ) -> tuple[Path, RecurrentLM]:
     """A checkpoint of a tiny model with perturbed weights, saved the way the loop saves it."""
-    torch.manual_seed(1)
-    model = RecurrentLM(PRESETS["tiny"]).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.01)  # norms are no longer all ones
-    run = RunDir(tmp_path_factory.mktemp("run")).create()
-    config = {
-        "model": {"preset": "tiny", **dataclasses.asdict(model.cfg)},
-        "data": {"path": str(prepared_data), "split": "train"},
-    }
-    state = {
-        "model": model.state_dict(),
-        "optimizer": {},
-        "progress": {"step": 7},
-        "config": config,
-    }
-    assert CheckpointStore(run, CheckpointConfig(), 0, 1).save(7, state)
-    return run.checkpoint_path(7), model
+    model = perturbed_tiny(seed=1, scale=0.01)
+    return save_checkpoint(model, tmp_path_factory.mktemp("run"), 7, prepared_data), model
 
 
 def logits(model: RecurrentLM, ids: torch.Tensor) -> torch.Tensor:

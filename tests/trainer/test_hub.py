@@ -27,11 +27,12 @@ from tests.trainer.hub_model import (
     NUM_STEPS,
     formula_model,
     initial_state,
+    perturbed_tiny,
     save_checkpoint,
 )
 from trainer.export import export_checkpoint, import_hf, load_exported
 from trainer.generate import decode
-from trainer.model import PRESETS, RecurrentLM
+from trainer.model import RecurrentLM
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +40,7 @@ def exported(
     tmp_path_factory: pytest.TempPathFactory, prepared_data: Path
 ) -> tuple[Path, RecurrentLM]:
     """An export of a tiny model with perturbed weights, whose run's dataset has a tokenizer."""
-    torch.manual_seed(2)
-    model = RecurrentLM(PRESETS["tiny"]).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)  # norm gains and qk biases matter
+    model = perturbed_tiny(seed=2, scale=0.05)
     root = tmp_path_factory.mktemp("hub")
     ckpt = save_checkpoint(model, root / "run", 3, prepared_data)
     return export_checkpoint(ckpt, root / "export"), model
