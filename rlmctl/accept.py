@@ -1,6 +1,6 @@
 """`rlmctl accept RUN`: the go-live verdict of a run, one criterion per line.
 
-Each criterion reads one source: the run directory (trainer/rundir.py: metrics.jsonl, events,
+Each criterion reads one source: the run directory (runcontract/rundir.py: metrics.jsonl, events,
 checkpoints, launcher logs), Prometheus over its HTTP API when `rlm_prometheus_url` is set
 (urllib only; HTTPS verified with `rlm_monitoring_tls_ca`, basic auth as `rlm_monitoring_username`), and the last `rlmctl health` report (topology and communication path). Verdicts:
 PASS, FAIL, NO DATA (the source has nothing yet, or does not answer: the reason says which) and
@@ -28,7 +28,7 @@ from typing import Any
 
 from clusterspec import vendors
 from clusterspec.variables import default
-from trainer.rundir import RunDir
+from runcontract.rundir import RunDir
 
 PASS, FAIL, NO_DATA, NA = "PASS", "FAIL", "NO DATA", "N/A"
 REPORT_NAME = "acceptance.md"
@@ -349,7 +349,7 @@ class PrometheusAPI:
 
 
 def prometheus_api(host: Any) -> PrometheusAPI | None:
-    """The Prometheus an inventory host names (rlmctl.inventory.Host), None without a URL."""
+    """The Prometheus an inventory host names (clusterspec.inventory.Host), None without a URL."""
     if not host.prometheus_url:
         return None
     return PrometheusAPI(

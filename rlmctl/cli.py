@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from rlmctl import render
-from rlmctl.errors import RlmctlError, RunNotFound
+from rlmctl.errors import InventoryError, RlmctlError, RunNotFound
 
 if TYPE_CHECKING:
     from rlmctl.scheduler import Scheduler
@@ -43,7 +43,7 @@ class Session:
 
     def inventory(self) -> Any:
         if self._inventory is None:
-            from rlmctl import inventory
+            from clusterspec import inventory
 
             self._inventory = inventory.load(self.inventory_path)
         return self._inventory
@@ -158,7 +158,7 @@ def accept(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
     """The go-live verdict of a run: every criterion with threshold, measured value, PASS/FAIL/
     NO DATA/N/A and source; writes <run_dir>/acceptance.md with plots. Exit 1 when one FAILs."""
     from rlmctl import accept as acceptance
-    from trainer.rundir import RunDir
+    from runcontract.rundir import RunDir
 
     session = _session(ctx)
     host = session.hosts()[0]
@@ -352,7 +352,7 @@ def checkpoints(
 ) -> None:
     """A run's checkpoints with their verification; exit 1 when one is invalid."""
     from rlmctl.launch import checkpoint_row
-    from trainer.rundir import RunDir
+    from runcontract.rundir import RunDir
 
     session = _session(ctx)
     with session.registry(readonly=True) as registry:
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Standalone mode: Click prints usage errors itself and exits 2; our errors come here.
         app(args=args, prog_name="rlmctl")
-    except RlmctlError as error:
+    except (RlmctlError, InventoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
     except KeyboardInterrupt:

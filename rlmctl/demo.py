@@ -16,7 +16,7 @@ from typing import Any
 
 from rlmctl import launch
 from rlmctl.errors import RlmctlError
-from trainer.rundir import RunDir
+from runcontract.rundir import RunDir
 
 CONFIG = Path(__file__).resolve().parents[1] / "trainer" / "configs" / "demo.yaml"
 POLL_S = 1.0

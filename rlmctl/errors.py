@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from clusterspec.inventory import InventoryError as InventoryError
+
 
 class RlmctlError(Exception):
     """A problem with the operator's input or environment; `str(error)` says what and how to fix.
@@ -10,10 +12,6 @@ class RlmctlError(Exception):
     """
 
     exit_code = 2
-
-
-class InventoryError(RlmctlError):
-    pass
 
 
 class RunNotFound(RlmctlError):

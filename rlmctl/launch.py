@@ -1,6 +1,6 @@
 """Launch a run on the cluster, look at it, stop it.
 
-A launch: fast health gate → run directory on the shared filesystem (trainer.rundir contract),
+A launch: fast health gate → run directory on the shared filesystem (runcontract.rundir),
 created exclusively (mkdir) and filled with the effective config, then indexed in the registry →
 on every host, detached and in a session of its own, `torchrun` with a c10d rendezvous on the
 first host, running `python -m trainer train`. What was started (PID, PGID, command) goes to
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clusterspec.inventory import Host, Inventory
 from rlmctl import health
 from rlmctl.errors import RlmctlError
 from rlmctl.health import Report
-from rlmctl.inventory import Host, Inventory
 from rlmctl.records import (
     CheckpointRow,
     HostProcesses,
@@ -38,13 +38,10 @@ from rlmctl.records import (
 from rlmctl.registry import Registry, registry_path
 from rlmctl.remote import Fleet, Result, python_command
 from rlmctl.scheduler import LaunchRequest, Say, Site
-from trainer.rundir import (
-    ExitCode,
-    RunDir,
-    check_run_name,
-    read_json,
-    write_json_atomic,
-)
+from runcontract import config as trainer_config
+from runcontract.errors import UserError
+from runcontract.exitcodes import ExitCode
+from runcontract.rundir import RunDir, check_run_name, read_json, write_json_atomic
 
 if TYPE_CHECKING:
     from rlmctl.supervise import WatchPolicy
@@ -91,16 +88,7 @@ def parse_json_result(result: Result) -> dict[str, Any] | None:
 
 # config -------------------------------------------------------------------------------------------
 def resolve_config(config_file: Path, overrides: list[str], run_dir: Path, world: int) -> str:
-    """The trainer's own parsing and validation (lazy: it imports torch), as YAML text."""
-    try:
-        from trainer import config as trainer_config
-        from trainer.errors import UserError
-    except ImportError as error:
-        raise RlmctlError(
-            f"validating a trainer config needs the trainer ({error}); "
-            "install it on this machine: pip install 'rlm-ops[train]'"
-        ) from None
-
+    """The trainer's own parsing and validation (runcontract.config, torch-free), as YAML text."""
     try:
         cfg = trainer_config.load_config(config_file, [*overrides, f"run_dir={run_dir}"])
         trainer_config.validate(cfg)

@@ -9,7 +9,7 @@ from typing import TextIO
 
 from rlmctl.errors import RlmctlError
 from rlmctl.registry import Registry
-from trainer.rundir import RunDir
+from runcontract.rundir import RunDir
 
 FOLLOW_POLL_S = 0.5
 

@@ -18,6 +18,8 @@ from typing import Any
 from rlmctl import layouts
 from rlmctl.errors import RlmctlError
 from rlmctl.records import MemoryEstimate, Plan
+from runcontract.config import model_config
+from runcontract.errors import UserError
 
 BYTES_STATIC_PER_PARAM = 16  # fp32 weights + fp32 grads + AdamW m and v
 BF16 = 2
@@ -26,12 +28,9 @@ RESERVED_GIB = 2.0
 
 
 def shape(preset: str | None, params: float | None, seq_len: int | None) -> dict[str, Any]:
-    """The model's shape from a preset (imports trainer.model, i.e. torch) or a parameter count
-    (a Huginn-like shape is assumed for activations)."""
+    """The model's shape from a preset or a parameter count (a Huginn-like shape is assumed
+    for activations)."""
     if preset is not None:
-        from trainer.errors import UserError
-        from trainer.model import model_config
-
         try:
             cfg = model_config(preset)
         except UserError as error:

@@ -1,6 +1,6 @@
 """The run registry: an index from run names to run directories and the hosts they ran on.
 
-A run's state, events and restarts live in its run directory (trainer.rundir), not here: the
+A run's state, events and restarts live in its run directory (runcontract.rundir), not here: the
 registry can be rebuilt from the run directories at any time (`rlmctl reindex`), and a read
 command opens it read-only. One SQLite file in the run root
 (`<rlm_shared_dir>/runs/registry.sqlite`) so that every operator on every login node sees the same
@@ -270,7 +270,7 @@ class Registry:
 def reindex(registry: Registry, runs_root: Path) -> list[str]:
     """Add every run directory under `runs_root` that the registry lacks, with the hosts of its
     newest launch (hosts/<host>/launch.json); the names added."""
-    from trainer.rundir import RunDir, read_json
+    from runcontract.rundir import RunDir, read_json
 
     known = {r["name"] for r in registry.runs()}
     added = []

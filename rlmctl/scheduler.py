@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the CLI imports this module on every command: nothing heavy at import time
+    from clusterspec.inventory import Host, Inventory
     from rlmctl.health import Report
-    from rlmctl.inventory import Host, Inventory
     from rlmctl.records import Launched, RunStatus, StopResult
     from rlmctl.registry import Registry
     from rlmctl.remote import Fleet

@@ -18,15 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clusterspec.inventory import Host, Inventory
 from rlmctl import slurm as batch_script
 from rlmctl.errors import RlmctlError
 from rlmctl.health import CRIT, OK, UNKNOWN, WARN, Check, Report
-from rlmctl.inventory import Host, Inventory
 from rlmctl.records import HostStop, Launched, RunStatus, StopResult
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet, Result
 from rlmctl.scheduler import LaunchRequest, Say, Site
-from trainer.rundir import RunDir, RunState, read_json, write_json_atomic
+from runcontract.rundir import RunDir, read_json, write_json_atomic
+from runcontract.states import RunState
 
 if TYPE_CHECKING:
     from rlmctl.supervise import WatchPolicy

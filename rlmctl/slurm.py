@@ -24,8 +24,8 @@ import re
 import shlex
 from pathlib import Path
 
+from clusterspec.inventory import Host
 from rlmctl.errors import RlmctlError
-from rlmctl.inventory import Host
 
 # Slurm's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
@@ -124,7 +124,7 @@ def render(
 # Slurm signals the task (this process), not its children: SIGTERM is passed on to torchrun,
 # which passes it on to its workers.
 import os, signal, subprocess, sys, time
-from trainer.rundir import RunDir, write_json_atomic
+from runcontract.rundir import RunDir, write_json_atomic
 
 env = os.environ
 argv = [sys.executable, *{torchrun!r}]
@@ -200,7 +200,7 @@ set -e
 # How the trainer ended: "asked" (an operator's `rlmctl stop`, recorded before its signal),
 # "requeue" (stopped on the time-limit or preemption signal after a checkpoint: back to the
 # queue, to resume from it) or "end".
-outcome=$({q(host.python)} -c 'import sys; from trainer.rundir import RunDir, stopped_before_end
+outcome=$({q(host.python)} -c 'import sys; from runcontract.rundir import RunDir; from runcontract.records import stopped_before_end
 run = RunDir(sys.argv[1])
 asked = any(e.kind == "stop_requested" and e.time >= float(sys.argv[2]) for e in run.events())
 early = sys.argv[3] == "true" and stopped_before_end(run.read_status())

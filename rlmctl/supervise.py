@@ -2,7 +2,7 @@
 
 Failure handling is fail-fast and whole-job: when one host's trainer dies, a host stops answering,
 or the step counter stops moving, the rest of the job is stopped (its collectives would only hang)
-and the exit code decides whether a restart can help (trainer.rundir.ExitCode.restartable). A
+and the exit code decides whether a restart can help (runcontract.exitcodes.restartable). A
 restart is a resume: verify the checkpoint, re-run the gate, leave out hosts that fail it (fewer
 nodes, same global batch), relaunch. Every decision is an event in the run directory.
 """
@@ -12,20 +12,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from clusterspec.inventory import Inventory
 from rlmctl import launch
 from rlmctl.errors import RlmctlError
-from rlmctl.inventory import Inventory
 from rlmctl.launch import GateRefused, Say, Started
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet
-from trainer.rundir import (
-    MANIFEST_NAME,
-    CheckpointInfo,
-    RunDir,
-    RunState,
-    stopped_before_end,
-    verify_checkpoint,
-)
+from runcontract.records import stopped_before_end
+from runcontract.rundir import MANIFEST_NAME, CheckpointInfo, RunDir, verify_checkpoint
+from runcontract.states import RunState
 
 
 def resume_checkpoint(run: RunDir, say: Say) -> CheckpointInfo | None:

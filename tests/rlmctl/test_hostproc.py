@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from clusterspec.inventory import load as load_inventory
 from rlmctl import hostproc
-from rlmctl.inventory import load as load_inventory
 from rlmctl.launch import host_start_config
 from trainer.rundir import RunDir, read_json
 

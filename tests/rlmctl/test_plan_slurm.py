@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from clusterspec.inventory import load
 from rlmctl import plan, slurm
-from rlmctl.inventory import load
 from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
 from trainer.rundir import RunDir
 

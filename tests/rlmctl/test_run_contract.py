@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmctl import inventory as inventory_module
+from clusterspec import inventory as inventory_module
 from rlmctl import launch as launching
 from rlmctl.errors import RlmctlError, RunNotFound
 from rlmctl.registry import Registry

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmctl import inventory as inventories
+from clusterspec import inventory as inventories
 from rlmctl.errors import RlmctlError
 from rlmctl.launch import SshScheduler
 from rlmctl.scheduler import Scheduler, for_site

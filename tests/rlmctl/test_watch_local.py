@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlmctl import inventory
+from clusterspec import inventory
 from rlmctl.launch import hostproc_command, parse_json_result, processes
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet
