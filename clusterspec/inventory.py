@@ -65,6 +65,7 @@ class Host:
     monitoring_password: str = field(default="", repr=False, compare=False)
     accept_thresholds: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     scheduler: str = default("rlm_scheduler")  # "ssh" or "slurm": what starts the trainer
+    gpu_memory_gib: float | None = None  # rlm_gpu_memory_gib: launch checks the memory estimate
 
     @property
     def is_local(self) -> bool:
@@ -301,6 +302,16 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
             f"got {fabric!r}; fix it in {source}"
         )
     gpudirect = var("rlm_gpudirect")
+    gpu_memory = var("rlm_gpu_memory_gib")
+    try:
+        gpu_memory_gib = None if gpu_memory is None else float(gpu_memory)
+    except (TypeError, ValueError):
+        gpu_memory_gib = -1.0
+    if gpu_memory_gib is not None and not 0 < gpu_memory_gib < float("inf"):
+        raise InventoryError(
+            f"host {host.name}: rlm_gpu_memory_gib must be the GiB of one GPU, e.g. 80, got "
+            f"{gpu_memory!r}; fix it in {source}"
+        )
     ca_file = var("rlm_monitoring_tls_ca")
     # RoCE/IB knobs become NCCL variables; an explicit rlm_comm_env entry wins.
     fabric_env = transport.fabric_env({name: var(name) for name in transport.FABRIC_ENV})
@@ -337,6 +348,7 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
         accept_thresholds=var("rlm_accept_thresholds"),
         gpudirect=None if gpudirect is None else str(gpudirect).lower() in ("true", "yes", "1"),
         scheduler=scheduler,
+        gpu_memory_gib=gpu_memory_gib,
     )
 
 

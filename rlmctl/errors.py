@@ -16,3 +16,10 @@ class RlmctlError(Exception):
 
 class RunNotFound(RlmctlError):
     pass
+
+
+class GateRefused(RlmctlError):
+    """The cluster said no (a host failed the health gate, none could start): exit code 1 (a
+    check is critical), not a usage error."""
+
+    exit_code = 1

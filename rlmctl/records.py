@@ -1,6 +1,6 @@
 """What rlmctl commands return: typed records, turned into tables or JSON by rlmctl.render.
 
-The command functions (rlmctl.launch, rlmctl.supervise, ...) build these and never print; the
+The command functions (rlmctl.lifecycle and the backends) build these and never print; the
 CLI picks a rendering. Run states are runcontract.states.RunState, the one state machine.
 """
 

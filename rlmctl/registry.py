@@ -256,6 +256,26 @@ class Registry:
         assert launch_id is not None
         return launch_id
 
+    def complete_launch(
+        self,
+        launch_id: int,
+        processes: list[dict[str, Any]],
+        rdzv_id: str,
+        rdzv_endpoint: str,
+    ) -> None:
+        """What a launch recorded beforehand (`record_launch` with the hosts it goes to) did
+        start: each host's PID/PGID, the rendezvous id (or Slurm job id) and endpoint."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE launches SET rdzv_id = ?, rdzv_endpoint = ? WHERE id = ?",
+                (rdzv_id, rdzv_endpoint, launch_id),
+            )
+            for p in processes:
+                db.execute(
+                    "UPDATE hosts SET pid = ?, pgid = ? WHERE launch_id = ? AND host = ?",
+                    (p.get("pid"), p.get("pgid"), launch_id, p["host"]),
+                )
+
     def hosts(self, run: str, current_only: bool = True) -> list[dict[str, Any]]:
         query = "SELECT * FROM hosts WHERE run = ?"
         if current_only:
