@@ -45,15 +45,17 @@ def attempt_exit_code(trainer_codes: Sequence[int], launcher_codes: Sequence[int
     """The code an attempt ended with.
 
     `trainer_codes`: what the trainer itself recorded for this attempt, oldest first (its `exit`
-    and `start_refused` events); the newest wins, whatever the launchers say: torchrun reports
-    any worker failure as 1 and a clean SIGTERM stop as 1, so only the trainer can tell a data
-    error (3) from a crash (1), or a clean stop (0) from either. `launcher_codes`: the exit codes
-    of the launchers of the attempt (torchrun per host, or a launcher that recorded the end of an
-    attempt whose trainer never said anything); the first non-zero one, else 0. None while
-    nothing has ended.
+    and `start_refused` events); the newest wins over the launchers: torchrun reports any worker
+    failure as 1 and a clean SIGTERM stop as 1, so only the trainer can tell a data error (3)
+    from a crash (1), or a clean stop (0) from either. Except that a launcher killed by a signal
+    (128 + n: its host's processes were killed, e.g. by the OOM killer or a lost node) beats a
+    trainer (rank 0, elsewhere) that says 0. `launcher_codes`: the exit codes of the launchers
+    of the attempt (torchrun per host); the first non-zero one, else 0. None while nothing has
+    ended.
     """
     if trainer_codes:
-        return trainer_codes[-1]
+        killed = [code for code in launcher_codes if code >= SIGNAL_BASE]
+        return killed[0] if trainer_codes[-1] == 0 and killed else trainer_codes[-1]
     failing = [code for code in launcher_codes if code != 0]
     if failing:
         return failing[0]

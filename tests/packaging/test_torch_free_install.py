@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import venv
 from pathlib import Path
 
@@ -139,3 +140,16 @@ def test_launch_plan_and_slurm_without_torch(plain_install: Path) -> None:
     assert good.returncode == 0, good.stderr
     assert "launched nt on 1 host(s)" in good.stdout
     assert "steps: 5" in (shared / "runs" / "nt" / "config.yaml").read_text(encoding="utf-8")
+    # No training python on the host: the launcher shell itself records the end of the attempt,
+    # so the run does not stay `launching`.
+    deadline = time.monotonic() + 60
+    while (state := run_state(plain_install, inventory, "nt")) != "failed":
+        assert time.monotonic() < deadline, f"run nt stayed {state}"
+        time.sleep(0.5)
+    record = json.loads((shared / "runs" / "nt" / "hosts" / "localhost" / "exit.json").read_text())
+    assert record["exit_code"] == 127, record  # sh: the venv's python is not there
+
+
+def run_state(root: Path, inventory: Path, run: str) -> str | None:
+    status = run_without_torch(root, "rlmctl", "-i", str(inventory), "status", run, "--json")
+    return json.loads(status.stdout)["state"]
