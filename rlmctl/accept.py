@@ -29,6 +29,7 @@ from typing import Any
 from clusterspec import vendors
 from clusterspec.variables import default
 from runcontract.rundir import RunDir
+from runcontract.states import EventKind
 
 PASS, FAIL, NO_DATA, NA = "PASS", "FAIL", "NO DATA", "N/A"
 REPORT_NAME = "acceptance.md"
@@ -103,7 +104,7 @@ class RunData:
         )
 
     def start(self) -> dict[str, Any]:
-        starts = [e for e in self.events if e.get("event") == "start"]
+        starts = [e for e in self.events if e.get("event") == EventKind.START]
         return starts[-1] if starts else {}
 
 
@@ -312,7 +313,7 @@ def nonfinite_steps(data: RunData, t: dict[str, Any]) -> Criterion:
     limit = t["max_nonfinite_steps"]
     if not data.train:
         return _no_metrics(name, f"<= {limit}")
-    count = sum(1 for e in data.events if e.get("event") == "nonfinite")
+    count = sum(1 for e in data.events if e.get("event") == EventKind.NONFINITE)
     return Criterion(name, f"<= {limit}", str(count), PASS if count <= limit else FAIL, source)
 
 

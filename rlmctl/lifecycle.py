@@ -22,7 +22,7 @@ import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, auto
 from pathlib import Path
 from typing import Any
 
@@ -128,17 +128,17 @@ def claim_run(ctx: Context, run: RunDir, config_text: str) -> None:
 
 
 # launch -------------------------------------------------------------------------------------------
-class LaunchStep(str, Enum):
+class LaunchStep(Enum):
     """The steps of a launch, in order; an interruption at any of them is safe."""
 
-    NAME = "name"  # check the name and that it is free
-    CONFIG = "config"  # resolve and validate the config, check its memory estimate
-    ADMIT = "admit"  # the health gate / sbatch --test-only
-    CLAIM = "claim"  # create the run directory and index it
-    RECORD = "record"  # record the attempt (`launched`) and where it goes, before it starts
-    START = "start"  # the backend starts it
-    STARTED = "started"  # it started; the registry records what
-    DONE = "done"  # launched
+    NAME = auto()  # check the name and that it is free
+    CONFIG = auto()  # resolve and validate the config, check its memory estimate
+    ADMIT = auto()  # the health gate / sbatch --test-only
+    CLAIM = auto()  # create the run directory and index it
+    RECORD = auto()  # record the attempt (`launched`) and where it goes, before it starts
+    START = auto()  # the backend starts it
+    STARTED = auto()  # it started; the registry records what
+    DONE = auto()  # launched
 
 
 class Progress:
@@ -213,9 +213,8 @@ def start_attempt(
     try:
         say(f"run {run.name}: {run.path}")
         progress.at(LaunchStep.RECORD)
-        hosts = [h.name for h in placement.hosts]
-        where = {"hosts": hosts} if hosts else {"scheduler": "slurm"}
-        run.record(EventKind.LAUNCHED, launch=attempt.kind, **where)
+        hosts = [h.name for h in placement.hosts]  # none where a scheduler picks the nodes
+        run.record(EventKind.LAUNCHED, launch=attempt.kind, hosts=hosts, nodes=placement.nodes)
         intended = [{"host": h.name, "address": h.address} for h in placement.hosts]
         launch_id = ctx.registry.record_launch(run.name, attempt.kind, intended, "", "")
         progress.at(LaunchStep.START)

@@ -185,3 +185,32 @@ def test_importing_the_contract_loads_no_heavy_module() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
     )
     assert out.stdout.strip() == "[]"
+
+
+# Files of other streams that still name states and events by string (trainer: train.py,
+# metrics.py; monitoring: exporter.py; bench/exporter.py), ported at their merge.
+LITERALS_PENDING = {"trainer", "bench", "monitoring/exporter.py"}
+
+
+def test_no_run_state_or_event_kind_is_a_string_literal() -> None:
+    """States and event kinds are runcontract.states members everywhere (`RunState.DONE`, not
+    "done"): a run-state name as a string anywhere, an event kind compared as a string."""
+    from runcontract.states import EventKind, RunState
+
+    states = {s.value for s in RunState}
+    kinds = {k.value for k in EventKind}
+    found = []
+    for name, path in modules().items():
+        relative = path.relative_to(REPO).as_posix()
+        if name.startswith("runcontract") or relative.split("/")[0] in LITERALS_PENDING:
+            continue
+        if relative in LITERALS_PENDING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in states:
+                found.append(f"{relative}:{node.lineno}: {node.value!r}")
+            if isinstance(node, ast.Compare):
+                for operand in [node.left, *node.comparators]:
+                    if isinstance(operand, ast.Constant) and operand.value in kinds:
+                        found.append(f"{relative}:{node.lineno}: {operand.value!r}")
+    assert found == []

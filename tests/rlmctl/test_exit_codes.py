@@ -11,12 +11,11 @@ restarted it), the run stayed `launching`, and a clean SIGTERM stop made torchru
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 from runcontract.rundir import RunDir, read_json
 from runcontract.states import EventKind, RunState
-from tests.rlmctl.conftest import REPO, rlmctl
+from tests.rlmctl.conftest import REPO, rlmctl, wait_for
 from tests.rlmctl.test_watch_local import start_standin
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
@@ -39,14 +38,6 @@ def launch(local_inventory: Path, name: str, mode: str) -> RunDir:
         },
     )
     return run
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return value
 
 
 def exit_record(run: RunDir) -> dict:

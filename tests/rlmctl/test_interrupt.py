@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from rlmctl.lifecycle import LaunchStep
 from rlmctl.registry import Registry
 from runcontract.rundir import RunDir
 from runcontract.states import EventKind, RunState
-from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
+from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl, wait_for
 
 TINY = REPO / "trainer/configs/tiny.yaml"
 
@@ -44,14 +43,6 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_processes(run: RunDir) -> list:
     """The run's processes on this machine, found the way rlmctl's host script finds them."""
     return hostproc.run_processes({"run_dir": str(run.path), "host": "localhost"})
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return value
 
 
 def interrupted_launch(local_inventory: Path, data: Path, name: str, at: LaunchStep, wait=None):
@@ -79,7 +70,7 @@ def registry_of(local_inventory: Path) -> Registry:
 @pytest.mark.parametrize(
     "step",
     [s for s in LaunchStep if s is not LaunchStep.DONE],
-    ids=[s.value for s in LaunchStep if s is not LaunchStep.DONE],
+    ids=[s.name.lower() for s in LaunchStep if s is not LaunchStep.DONE],
 )
 def test_an_interrupted_launch_leaves_the_name_free(
     local_inventory: Path, data: Path, step: LaunchStep
