@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from runcontract.rundir import RunDir
 from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
-from trainer.rundir import RunDir
 
 pytestmark = pytest.mark.rig
 

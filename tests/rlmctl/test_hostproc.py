@@ -17,7 +17,7 @@ from pathlib import Path
 from clusterspec.inventory import load as load_inventory
 from rlmctl import hostproc
 from rlmctl.backend_ssh import host_start_config
-from trainer.rundir import RunDir, read_json
+from runcontract.rundir import RunDir, read_json
 
 TREE = "setsid sleep 300 & echo worker $!; sleep 300"
 
