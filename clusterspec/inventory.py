@@ -27,6 +27,15 @@ TRAINING_GROUP = "compute"
 DRAINED_GROUP = "drained"
 GPU_VENDORS = variables()["rlm_gpu_vendor"].choices
 SCHEDULERS = variables()["rlm_scheduler"].choices
+# The Slurm site options of every job (rlm_slurm_<key>), rendered by rlmctl.slurm.
+SLURM_SITE_KEYS = (
+    "account",
+    "qos",
+    "reservation",
+    "constraint",
+    "sbatch_options",
+    "partition_options",
+)
 
 
 class InventoryError(Exception):
@@ -66,6 +75,12 @@ class Host:
     accept_thresholds: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     scheduler: str = default("rlm_scheduler")  # "ssh" or "slurm": what starts the trainer
     gpu_memory_gib: float | None = None  # rlm_gpu_memory_gib: launch checks the memory estimate
+    service_user: str = default("rlm_service_user")  # who Slurm jobs run as (never root)
+    # rlm_slurm_account, _qos, _reservation, _constraint, _sbatch_options, _partition_options as
+    # the inventory has them (keys without the rlm_slurm_ prefix); rlmctl.slurm checks them.
+    slurm_site: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    container_image: str | None = None  # rlm_container_image: the trainer runs in this image
+    container_options: tuple[str, ...] = ()  # rlm_container_options: more `podman run` options
 
     @property
     def is_local(self) -> bool:
@@ -349,7 +364,21 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
         gpudirect=None if gpudirect is None else str(gpudirect).lower() in ("true", "yes", "1"),
         scheduler=scheduler,
         gpu_memory_gib=gpu_memory_gib,
+        service_user=str(var("rlm_service_user")),
+        slurm_site={key: var(f"rlm_slurm_{key}") for key in SLURM_SITE_KEYS},
+        container_image=str(var("rlm_container_image")) if var("rlm_container_image") else None,
+        container_options=_string_list(host.name, "rlm_container_options", var, source),
     )
+
+
+def _string_list(host: str, name: str, var: Any, source: Path) -> tuple[str, ...]:
+    value = var(name) or []
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise InventoryError(
+            f'host {host}: {name} must be a list of strings like ["--device=/dev/kfd"], '
+            f"got {value!r}; fix it in {source}"
+        )
+    return tuple(value)
 
 
 def _expand(path: str, base: Path) -> str:

@@ -41,6 +41,9 @@ class LaunchRequest:
     partition: str | None = None
     time_limit: str = "24:00:00"
     memory_check: bool = True
+    # Slurm's site options from the command line (account, qos, reservation, constraint): they
+    # replace the inventory's rlm_slurm_<key> for this run
+    site: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Placement:
     time_limit: str = "24:00:00"
     exclude: list[str] = field(default_factory=list)
     force: bool = False  # SSH: run on hosts that fail the gate
+    site: dict[str, str] = field(default_factory=dict)  # Slurm: the command line's site options
 
     @property
     def world_size(self) -> int:
@@ -139,6 +143,11 @@ class Backend(Protocol):
     def abandon(self, run: RunDir) -> bool:
         """Undo an attempt being started (interrupted, or partly failed): stop or cancel what
         it may have started; True when nothing of it can still run."""
+        ...
+
+    def tend(self, run: RunDir, say: Say) -> None:
+        """On every poll of `watch`, what the scheduler needs of it (Slurm: record a requeue it
+        made, lift its requeue hold); nothing over SSH."""
         ...
 
     def probe(self, run: RunDir) -> Probe:

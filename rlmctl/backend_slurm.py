@@ -22,9 +22,10 @@ from rlmctl.backend import Attempt, LaunchRequest, Placement, Probe, Say, Starte
 from rlmctl.context import Context
 from rlmctl.errors import RlmctlError
 from rlmctl.health import CRIT, OK, UNKNOWN, WARN, Check, Report
-from rlmctl.records import HostStop
+from rlmctl.records import HostProcesses, HostStop
 from rlmctl.remote import Result
 from runcontract.rundir import RunDir, read_json, write_json_atomic
+from runcontract.states import EventKind
 
 SUBMIT_GROUP = "mgmt"
 JOB_FILE = "slurm.json"  # in the run directory: the job id(s) of the run, what it asked for
@@ -90,6 +91,16 @@ def _slurm_error(result: Result, what: str) -> SlurmRefused:
         "invalid partition": "pick a partition `sinfo` lists (--partition)",
         UNAVAILABLE: "ask for fewer --nodes than the partition has (sinfo) or another --partition",
         "Node count specification invalid": "ask for fewer --nodes than the partition has",
+        # AccountingStorageEnforce=associations: no account, or one the user has no
+        # association with (Slurm 22.05's wording for both).
+        "Invalid account": "set rlm_slurm_account (or --account) to an account of the "
+        "submitting user (sacctmgr show associations user=$USER)",
+        "Invalid qos": "set rlm_slurm_qos (or --qos) to a QOS the account may use "
+        "(sacctmgr show associations user=$USER format=account,qos)",
+        "Requested reservation is invalid": "set rlm_slurm_reservation (or --reservation) to a "
+        "reservation of yours (scontrol show reservation)",
+        "Invalid feature specification": "set rlm_slurm_constraint (or --constraint) to "
+        "features the nodes have (sinfo --format=%N|%f)",
         # What sbatch, squeue and sinfo say on a host whose munge key differs from the
         # controller's (seen on the rig: node4 with a new key, Slurm 22.05.8): slurmctld drops
         # the request ("Protocol authentication error" in its log), the client reads nothing.
@@ -188,6 +199,7 @@ class Backend:
         if nodes < 1:
             raise RlmctlError(f"--nodes {nodes}: ask for at least one node")
         batch_script.time_limit_seconds(request.time_limit)  # a form Slurm refuses: one line
+        batch_script.SiteOptions.of(hosts[0], request.site)  # bad site options: one line
         return Placement(
             hosts=[],
             nodes=nodes,
@@ -195,6 +207,7 @@ class Backend:
             template=hosts[0],
             partition=request.partition,
             time_limit=request.time_limit,
+            site=dict(request.site),
         )
 
     def placement_of(self, run: RunDir, exclude: set[str]) -> Placement:
@@ -215,6 +228,7 @@ class Backend:
             partition=request["partition"],
             time_limit=request["time_limit"],
             exclude=sorted(exclude),
+            site=dict(request.get("site") or {}),
         )
 
     def script(self, run: RunDir, placement: Placement, attempt: Attempt) -> str:
@@ -229,6 +243,7 @@ class Backend:
             run_dir=str(run.path),
             exclude=placement.exclude,
             resume_from=attempt.resume_from,
+            site=batch_script.SiteOptions.of(placement.template, placement.site),
         )
 
     def admit(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Placement:
@@ -312,6 +327,7 @@ class Backend:
             "nodes": placement.nodes,
             "partition": placement.partition,
             "time_limit": placement.time_limit,
+            "site": placement.site,  # the command line's site options: a resume keeps them
         }
         write_json_atomic(
             run.path / JOB_FILE, {"job_id": job_id, "jobs": [*jobs, job_id], "request": request}
@@ -333,6 +349,8 @@ class Backend:
         job_id = job_id_of(run)
         current = self.job(job_id) if job_id else Job("", "")
         held = bool(current.state) and not current.ended
+        # The host table of `status`: the nodes Slurm allocated to the job while it runs.
+        nodes = self.job_nodes(current) if current.state in ("RUNNING", "COMPLETING") else []
         return Probe(
             alive=held,
             running=held,
@@ -342,9 +360,61 @@ class Backend:
             still_running=f"Slurm job {job_id} is still {current.state}",
             ended=f"Slurm job {job_id} ended {current.state or 'unknown'} {current.exit_code}",
             recovery=f"`rlmctl resume {run.name}`",
+            hosts=[HostProcesses(node, alive=True, processes=None) for node in nodes],
             job=current.as_dict(),
             ref={"job_id": job_id} if job_id else {},
         )
+
+    def tend(self, run: RunDir, say: Say) -> None:
+        """Watch's look at the queue on every poll. A requeue Slurm made (NODE_FAIL, preemption,
+        time limit, `scontrol requeue`: the job's Restarts grew) is recorded once as a
+        `requeued` event with its reason (the batch script records the requeues it asks for
+        itself, with the same restart number), and said. A requeued job Slurm holds until its
+        old credential expires (Reason=BeginTime, cred_expire + 1 s: docs/slurm.md) is started
+        at once with `scontrol update StartTime=now`, which Slurm allows once it is pending."""
+        job_id = job_id_of(run)
+        if job_id is None:
+            return
+        shown = self.ctx.fleet.run(
+            shlex.join(["scontrol", "--oneliner", "show", "job", job_id]), hosts=[self.submit_host]
+        )[0]
+        if not shown.ok:
+            return  # gone from slurmctld's memory: sacct has it, and it will not requeue
+        fields = dict(
+            word.split("=", 1) for word in shown.stdout.split() if "=" in word and word[0].isupper()
+        )
+        restarts = int(fields.get("Restarts", "0") or 0)
+        state, reason = fields.get("JobState", ""), fields.get("Reason", "")
+        if restarts > 0 and not any(
+            e.kind == EventKind.REQUEUED
+            and str(e.fields.get("job_id")) == job_id
+            and e.fields.get("restart") == restarts
+            for e in run.events()
+        ):
+            why = self.requeue_reason(job_id)
+            run.append_event(
+                EventKind.REQUEUED, job_id=job_id, restart=restarts, reason=why, seen_by="watch"
+            )
+            say(f"Slurm requeued job {job_id} ({why}); restart {restarts}")
+        if restarts > 0 and state == "PENDING" and reason == "BeginTime":
+            self.slurm(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], "scontrol update failed"
+            )
+            say(f"released job {job_id} from Slurm's requeue hold (StartTime=now)")
+
+    def requeue_reason(self, job_id: str) -> str:
+        """Why Slurm requeued the job: the state its newest earlier run ended in (sacct keeps a
+        record per run of a requeued job: NODE_FAIL, PREEMPTED, TIMEOUT, REQUEUED)."""
+        argv = ["sacct", "--noheader", "--parsable2", "--allocations", "--duplicates"]
+        try:
+            rows = self.slurm([*argv, "--jobs", job_id, "--format=State"], "sacct failed")
+        except SlurmRefused:
+            return "requeued"
+        states = [row.split()[0] for row in rows.stdout.splitlines() if row.strip()]
+        ended = [s for s in states if s not in ("PENDING", "RUNNING", "REQUEUED")]
+        if ended:
+            return ended[-1]
+        return "scontrol requeue" if "REQUEUED" in states else "requeued"
 
     # stop ---------------------------------------------------------------------------------------
     def stop(

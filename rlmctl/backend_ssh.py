@@ -95,6 +95,11 @@ class Backend:
 
     # where ----------------------------------------------------------------------------------------
     def placement(self, request: LaunchRequest) -> Placement:
+        if request.site:
+            flags = " ".join(f"--{key}" for key in request.site)
+            raise RlmctlError(
+                f"{flags}: Slurm options, but this inventory's rlm_scheduler is ssh; drop them"
+            )
         hosts = self.ctx.hosts
         nodes = request.nodes
         if nodes is not None and not 1 <= nodes <= len(hosts):
@@ -109,6 +114,9 @@ class Backend:
             template=chosen[0],
             force=request.force,
         )
+
+    def tend(self, run: RunDir, say: Say) -> None:
+        """Nothing: no scheduler to tend."""
 
     def placement_of(self, run: RunDir, exclude: set[str]) -> Placement:
         hosts = self._run_hosts(run)

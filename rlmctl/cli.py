@@ -33,6 +33,19 @@ def _site(ctx: typer.Context) -> Site:
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+# Slurm's site options (docs/slurm.md): each replaces the inventory's rlm_slurm_<key>.
+AccountOpt = Annotated[str | None, typer.Option(help="Slurm account (default: rlm_slurm_account).")]
+QosOpt = Annotated[str | None, typer.Option(help="Slurm QOS (default: rlm_slurm_qos).")]
+ReservationOpt = Annotated[
+    str | None, typer.Option(help="Slurm reservation (default: rlm_slurm_reservation).")
+]
+ConstraintOpt = Annotated[
+    str | None, typer.Option(help="Slurm node features (default: rlm_slurm_constraint).")
+]
+
+
+def _site_flags(**given: str | None) -> dict[str, str]:
+    return {key: value for key, value in given.items() if value is not None}
 
 
 @app.callback()
@@ -154,6 +167,10 @@ def launch(
             "rlm_gpu_memory_gib; --no-memory-check launches it anyway."
         ),
     ] = True,
+    account: AccountOpt = None,
+    qos: QosOpt = None,
+    reservation: ReservationOpt = None,
+    constraint: ConstraintOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Check the config and its memory estimate, gate, create the run directory, and start
@@ -164,8 +181,11 @@ def launch(
     for text in overrides or []:
         if "=" not in text:
             raise RlmctlError(f"override {text!r} must look like key=value, e.g. train.steps=500")
+    site_flags = _site_flags(
+        account=account, qos=qos, reservation=reservation, constraint=constraint
+    )
     request = LaunchRequest(
-        config, overrides or [], name, nodes, force, partition, time_limit, memory_check
+        config, overrides or [], name, nodes, force, partition, time_limit, memory_check, site_flags
     )
     with Context(_site(ctx)) as session:
         backend = lifecycle.backend_for(session)
@@ -249,8 +269,13 @@ def resume(
     ctx: typer.Context,
     run: str,
     force: Annotated[bool, typer.Option(help="Keep hosts that fail the gate.")] = False,
+    account: AccountOpt = None,
+    qos: QosOpt = None,
+    reservation: ReservationOpt = None,
+    constraint: ConstraintOpt = None,
 ) -> None:
-    """Relaunch a stopped or failed run from its newest verified checkpoint."""
+    """Relaunch a stopped or failed run from its newest verified checkpoint (under Slurm with
+    the site options it was launched with, less those given here)."""
     from rlmctl import lifecycle
 
     site = _site(ctx)
@@ -259,7 +284,12 @@ def resume(
         if site.exclude:
             excluded = {h.name for h in session.inventory.select(site.exclude)}
         backend = lifecycle.backend_for(session)
-        resumed = lifecycle.resume(session, backend, run, excluded, force, render.say())
+        site_flags = _site_flags(
+            account=account, qos=qos, reservation=reservation, constraint=constraint
+        )
+        resumed = lifecycle.resume(
+            session, backend, run, excluded, force, render.say(), site=site_flags
+        )
     if resumed.job_id:
         render.line(f"resubmitted {run} as Slurm job {resumed.job_id}; `rlmctl status {run}`")
     else:
@@ -378,12 +408,19 @@ def slurm(
     partition: Annotated[str | None, typer.Option(help="Slurm partition.")] = None,
     time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit.")] = "24:00:00",
     name: Annotated[str | None, typer.Option(help="Run name (default: config stem).")] = None,
+    account: AccountOpt = None,
+    qos: QosOpt = None,
+    reservation: ReservationOpt = None,
+    constraint: ConstraintOpt = None,
 ) -> None:
     """Print an sbatch script (srun + torchrun) for sites that schedule with Slurm."""
     from rlmctl import slurm as slurm_script
 
     with Context(_site(ctx), readonly=True) as session:
         host = session.hosts[0]
+    site_flags = _site_flags(
+        account=account, qos=qos, reservation=reservation, constraint=constraint
+    )
     print(
         slurm_script.render(
             config=config,
@@ -393,6 +430,7 @@ def slurm(
             partition=partition,
             time_limit=time_limit,
             host=host,
+            site=slurm_script.SiteOptions.of(host, site_flags),
         ),
         end="",
     )

@@ -417,10 +417,12 @@ def resume(
     exclude: set[str],
     force: bool = False,
     say: Say = quiet,
+    site: dict[str, str] | None = None,
 ) -> Launched:
     """Relaunch a stopped or failed run in its own run directory from its newest verified
     checkpoint, on what it ran on before less `exclude` (the same global batch: the trainer's
-    world-size check says whether it still divides)."""
+    world-size check says whether it still divides). `site`: Slurm site options (account, qos,
+    reservation, constraint) replacing the ones it was launched with."""
     run = ctx.run(name)
     refuse_done(run)
     probe = backend.probe(run)
@@ -431,6 +433,14 @@ def resume(
         )
     attempt = Attempt("resume", resume_from(run, say))
     wanted = dataclasses.replace(backend.placement_of(run, exclude), force=force)
+    if site:
+        if wanted.template.scheduler != "slurm":
+            flags = " ".join(f"--{key}" for key in site)
+            raise RlmctlError(f"{flags}: Slurm options, but run {name} runs over SSH; drop them")
+        wanted = dataclasses.replace(wanted, site={**wanted.site, **site})
+        from rlmctl.slurm import SiteOptions
+
+        SiteOptions.of(wanted.template, wanted.site)
     placement = backend.admit(run, wanted, attempt, say)
     resolve_config(run.config_path, [], run.path, placement.world_size)
     started = start_attempt(ctx, backend, run, placement, attempt, say, Progress())
@@ -520,6 +530,7 @@ def follow(backend: Backend, run: RunDir, policy: WatchPolicy, say: Say) -> Fail
     last_step: int | None = None
     last_change = time.monotonic()
     while True:
+        backend.tend(run, say)
         probe = backend.probe(run)
         events = run.events()
         since = max((e.time for e in events if e.kind == EventKind.LAUNCHED), default=0.0)

@@ -142,7 +142,12 @@ def status(info: RunStatus) -> None:
     line(f"restarts: {info.restarts}   run dir: {info.run_dir}")
     if info.slurm:
         job = info.slurm
-        line(f"slurm job {job['job_id']}: {job['state'] or 'unknown'}  nodes {job['nodes'] or '-'}")
+        reason = job.get("reason") or ""
+        why = f" ({reason})" if reason and reason != "None" else ""  # squeue's pending reason
+        line(
+            f"slurm job {job['job_id']}: {job['state'] or 'unknown'}{why}  "
+            f"nodes {job['nodes'] or '-'}"
+        )
     if info.problem:
         line(f"problem: {info.problem}")
 

@@ -48,6 +48,9 @@ class EventKind(str, Enum):
     FAILURE = "failure"  # watch saw the attempt fail (reason, exit code, step, where)
     EXCLUDED = "excluded"  # hosts left out of the next attempt
     GAVE_UP = "gave_up"  # watch: not restartable, or the restart budget is used up
+    # Slurm put the job back in the queue (time limit, preemption, NODE_FAIL, scontrol requeue):
+    # the batch script (a requeue it asks for) or watch (one Slurm made), with the reason
+    REQUEUED = "requeued"
     # the trainer
     START = "start"  # set up, begins (or continues) training
     START_REFUSED = "start_refused"  # refused to start (config, checkpoint.resume, data, lock)

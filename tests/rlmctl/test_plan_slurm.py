@@ -147,6 +147,12 @@ def test_slurm_script_requeues_only_a_run_stopped_by_the_time_limit_signal(
     assert result.returncode == exit_code, result.stderr
     calls = (tmp_path / "scontrol.log").read_text()
     assert ("requeue 42" in calls) is requeued
+    # A requeue it asks for is an event with the reason, numbered as Slurm will count it.
+    requeues = [e.fields for e in run.events() if e.kind == EventKind.REQUEUED]
+    assert bool(requeues) is requeued
+    if requeues:
+        assert requeues[0]["restart"] == 1 and requeues[0]["job_id"] == "42"
+        assert requeues[0]["reason"] == ("preempted" if preempted else "time limit")
     cancels = (tmp_path / "scancel.log").read_text().splitlines() if asked or limit_signal else []
     # The signal is passed on to the training step; a stop cancels the job once it saved.
     assert ("--signal=TERM 42" in cancels) is limit_signal
@@ -158,10 +164,12 @@ def node_wrapper(local_inventory: Path, tmp_path: Path, trainer: str) -> Path:
     host = load(local_inventory).select()[0]
     script = slurm.render(REPO / "trainer/configs/tiny.yaml", "sl", 2, 1, None, "1:00:00", host)
     body = script.split("<<'RLM_NODE_SCRIPT'\n", 1)[1].split("RLM_NODE_SCRIPT\n", 1)[0]
-    line = next(x for x in body.splitlines() if x.startswith("argv = [sys.executable"))
-    # torchrun's own arguments follow the command: `sh -c` takes them as $0, $1, ...
+    line = "child = subprocess.Popen(argv)"
+    assert line in body
     wrapper = tmp_path / "node.py"
-    wrapper.write_text(body.replace(line, f"argv = ['/bin/sh', '-c', {trainer!r}, 'x']"))
+    wrapper.write_text(
+        body.replace(line, f"child = subprocess.Popen(['/bin/sh', '-c', {trainer!r}])")
+    )
     return wrapper
 
 

@@ -1,0 +1,347 @@
+"""The batch script at a shared Slurm site: the site's options (docs/slurm.md), ranks pinned to
+the cores near their GPU, the trainer in a container image (pyxis). Render-level: the tests parse
+the script rlmctl produces, and run its node wrapper with torchrun's start stubbed out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterspec.inventory import load
+from rlmctl import slurm
+from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
+
+CONFIG = REPO / "trainer/configs/tiny.yaml"
+SITE = (
+    "    rlm_slurm_account: proj42\n"
+    "    rlm_slurm_qos: normal\n"
+    "    rlm_slurm_reservation: maint\n"
+    '    rlm_slurm_constraint: "h100&ib"\n'
+    '    rlm_slurm_sbatch_options: ["--mail-type=END,FAIL", "--comment=proj-42"]\n'
+    '    rlm_slurm_partition_options: {urgent: ["--qos=high"]}\n'
+)
+
+
+def with_vars(inventory: Path, text: str) -> Path:
+    hosts = inventory / "hosts.yml"
+    hosts.write_text(hosts.read_text() + text, encoding="utf-8")
+    return inventory
+
+
+def sbatch_lines(script: str) -> list[str]:
+    return [
+        line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")
+    ]
+
+
+def srun_line(script: str) -> str:
+    return next(line.strip() for line in script.splitlines() if line.strip().startswith("srun "))
+
+
+def test_site_options_follow_rlmctls_own_in_the_documented_order(local_inventory: Path) -> None:
+    host = load(with_vars(local_inventory, SITE)).select()[0]
+    script = slurm.render(CONFIG, "exp", 2, 2, "urgent", "1:00:00", host)
+    lines = sbatch_lines(script)
+    site = [
+        "--account=proj42",
+        "--qos=normal",
+        "--reservation=maint",
+        "--constraint=h100&ib",
+        "--mail-type=END,FAIL",
+        "--comment=proj-42",
+        "--qos=high",  # the partition's entry last: sbatch keeps the last --qos
+    ]
+    assert lines[-len(site) :] == site, lines
+    assert "--partition=urgent" in lines[: -len(site)] and "--nodes=2" in lines
+    # Another partition has no entry; the command line's flags replace the inventory's values.
+    flags = slurm.SiteOptions.of(host, {"account": "other", "constraint": "a100"})
+    other = sbatch_lines(slurm.render(CONFIG, "exp", 2, 2, "gpu", "1:00:00", host, site=flags))
+    assert (
+        "--qos=high" not in other and "--account=other" in other and "--account=proj42" not in other
+    )
+    assert "--constraint=a100" in other and "--qos=normal" in other
+    # The `&` of a constraint stays one word of an #SBATCH line (sbatch reads it, not bash).
+    syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert syntax.returncode == 0, syntax.stderr
+    # `rlmctl slurm --account` prints the same.
+    shown = rlmctl("-i", str(local_inventory), "slurm", "-c", str(CONFIG), "--account", "cli9")
+    assert shown.returncode == 0, shown.stderr
+    assert "--account=cli9" in sbatch_lines(shown.stdout)
+
+
+def test_no_site_options_means_no_site_lines(local_inventory: Path) -> None:
+    host = load(local_inventory).select()[0]
+    lines = sbatch_lines(slurm.render(CONFIG, "exp", 1, 2, None, "1:00:00", host))
+    assert not [x for x in lines if x.split("=")[0] in ("--account", "--qos", "--reservation")]
+
+
+@pytest.mark.parametrize(
+    ("variables", "args", "fragments"),
+    [
+        (
+            '    rlm_slurm_sbatch_options: ["--nodes=3"]\n',
+            [],
+            ["rlm_slurm_sbatch_options", "launch --nodes"],
+        ),
+        ('    rlm_slurm_sbatch_options: ["-N 3"]\n', [], ["rlm_slurm_sbatch_options", "--nodes"]),
+        (
+            '    rlm_slurm_sbatch_options: ["--output=x.log"]\n',
+            [],
+            ["--output", "rlm_slurm_sbatch_options"],
+        ),
+        ("    rlm_slurm_sbatch_options: --comment=x\n", [], ["rlm_slurm_sbatch_options", "list"]),
+        ('    rlm_slurm_sbatch_options: ["mail-type=END"]\n', [], ["not one sbatch option"]),
+        (
+            '    rlm_slurm_partition_options: {gpu: ["--time=5"]}\n',
+            [],
+            ["rlm_slurm_partition_options[gpu]", "launch --time"],
+        ),
+        (
+            '    rlm_slurm_partition_options: ["--qos=high"]\n',
+            [],
+            ["rlm_slurm_partition_options", "map"],
+        ),
+        ('    rlm_slurm_account: "proj 42"\n', [], ["rlm_slurm_account", "one word"]),
+        ("", ["--qos", "hi gh"], ["--qos", "one word"]),
+    ],
+    ids=[
+        "own-option",
+        "own-short",
+        "output",
+        "not-a-list",
+        "not-an-option",
+        "partition-own",
+        "partition-list",
+        "account-space",
+        "flag-space",
+    ],
+)
+def test_a_bad_site_option_is_one_line_naming_it(
+    local_inventory: Path, variables: str, args: list[str], fragments: list[str]
+) -> None:
+    with_vars(local_inventory, variables)
+    result = rlmctl(
+        "-i", str(local_inventory), "slurm", "-c", str(CONFIG), "--partition", "gpu", *args
+    )
+    assert_one_line_error(result, 2, *fragments)
+
+
+def test_site_flags_under_ssh_are_one_line(local_inventory: Path) -> None:
+    result = rlmctl("-i", str(local_inventory), "launch", "-c", str(CONFIG), "--account", "proj")
+    assert_one_line_error(result, 2, "--account", "rlm_scheduler is ssh")
+    assert not any((local_inventory.parent / "shared" / "runs").glob("*"))
+
+
+def wrapper_argv(script: str, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """Run the script's node wrapper with torchrun's start replaced by printing its argv."""
+    body = script.split("<<'RLM_NODE_SCRIPT'\n", 1)[1].split("RLM_NODE_SCRIPT\n", 1)[0]
+    line = "child = subprocess.Popen(argv)"
+    assert line in body
+    shown = tmp_path / "argv.json"
+    stub = (
+        f"open({str(shown)!r}, 'w').write(json.dumps([argv, os.environ.get('RLM_RANK_CPUS')]))\n"
+        "child = subprocess.Popen(['true'])"
+    )
+    wrapper = tmp_path / "node.py"
+    wrapper.write_text("import json\n" + body.replace(line, stub))
+    env = {**os.environ, "RUN_DIR": str(tmp_path / "run"), "SLURMD_NODENAME": "n1"}
+    env["PYTHONPATH"] = str(REPO)  # the bundle, as a node has it installed
+    env.update({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "head_node": "n1"})
+    result = subprocess.run(
+        [sys.executable, str(wrapper)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    argv, cpus = json.loads(shown.read_text())
+    return argv, {"cpus": cpus or "", "out": result.stdout, "err": result.stderr}
+
+
+def test_each_rank_is_pinned_to_its_share_of_the_node(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """The step is unbound (--cpu-bind=none: Slurm's implicit binding to one socket would squeeze
+    every rank together); torchrun starts `clusterspec.binding pin -- python -m trainer` with
+    the node's own plan (here: vendor none, 2 ranks share this machine's CPUs)."""
+    from clusterspec.binding import parse_cpulist, plan_here
+
+    host = load(local_inventory).select()[0]
+    script = slurm.render(CONFIG, "exp", 1, 2, None, "1:00:00", host)
+    srun = srun_line(script)
+    assert "--cpu-bind=none" in srun and "--kill-on-bad-exit=1" in srun
+    argv, seen = wrapper_argv(script, tmp_path)
+    expected = plan_here(2, "none")["plan"]
+    assert seen["cpus"] == expected["RLM_RANK_CPUS"], seen
+    lists = seen["cpus"].split(";")
+    assert len(lists) == 2 and not set(parse_cpulist(lists[0])) & set(parse_cpulist(lists[1]))
+    no_python = argv.index("--no-python")
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    pin = argv[no_python + 1 :]
+    assert pin[1:5] == ["-m", "clusterspec.binding", "pin", "--"]
+    assert pin[5:9] == [sys.executable, "-m", "trainer", "train"], pin
+    assert "ranks pinned to CPUs" in seen["out"]
+    # What `pin` does with that plan: rank 1's process runs on rank 1's CPUs alone.
+    env = {**os.environ, "RLM_RANK_CPUS": seen["cpus"], "LOCAL_RANK": "1"}
+    status = subprocess.run(
+        [sys.executable, "-m", "clusterspec.binding", "pin", "--", "cat", "/proc/self/status"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    allowed = next(
+        x.split(":")[1].strip() for x in status.splitlines() if x.startswith("Cpus_allowed_list")
+    )
+    assert parse_cpulist(allowed) == parse_cpulist(lists[1])
+
+
+def test_without_a_topology_the_ranks_run_unpinned(local_inventory: Path, tmp_path: Path) -> None:
+    """A node whose topology cannot be read (here: nvidia-smi missing) still trains, unpinned,
+    and says why on stderr (the job's output)."""
+    import dataclasses
+
+    host = dataclasses.replace(load(local_inventory).select()[0], gpu_vendor="nvidia")
+    env_path = os.environ["PATH"]
+    try:
+        os.environ["PATH"] = "/usr/bin:/bin"  # no nvidia-smi on this machine's PATH
+        argv, seen = wrapper_argv(
+            slurm.render(CONFIG, "exp", 1, 2, None, "1:00:00", host), tmp_path
+        )
+    finally:
+        os.environ["PATH"] = env_path
+    assert "--no-python" not in argv and "clusterspec.binding" not in argv
+    trainer = argv.index("--max-restarts=0") + 7  # torchrun's own options, then the trainer's
+    assert argv[trainer : trainer + 4] == ["-m", "trainer", "train", "--config"], argv
+    assert "ranks not pinned" in seen["err"]
+
+
+def test_a_container_image_runs_the_step_under_pyxis(local_inventory: Path) -> None:
+    with_vars(
+        local_inventory,
+        "    rlm_container_image: /shared/images/rlm-trainer.sqsh\n"
+        '    rlm_container_options: ["--container-env=NCCL_DEBUG"]\n',
+    )
+    host = load(local_inventory).select()[0]
+    srun = srun_line(slurm.render(CONFIG, "exp", 2, 2, None, "1:00:00", host)).split()
+    shared = host.shared_dir.rstrip("/")
+    assert srun[srun.index("--cpu-bind=none") + 1 :] == [
+        "--container-image=/shared/images/rlm-trainer.sqsh",
+        f"--container-mounts={shared}:{shared}",
+        f"--container-workdir={shared}",
+        "--container-env=NCCL_DEBUG",
+        "python3",  # the image's own interpreter runs the node wrapper
+        '"$node_script"',
+    ]
+
+
+def test_a_bad_container_option_is_one_line(local_inventory: Path) -> None:
+    with_vars(
+        local_inventory,
+        "    rlm_container_image: img.sqsh\n"
+        '    rlm_container_options: ["--container-image=other.sqsh"]\n',
+    )
+    result = rlmctl("-i", str(local_inventory), "slurm", "-c", str(CONFIG))
+    assert_one_line_error(result, 2, "rlm_container_options", "--container-image")
+
+
+def slurm_site(local_inventory: Path, tmp_path: Path, squeue: str, scontrol: str, sacct: str):
+    """This machine as controller (mgmt) and node under rlm_scheduler slurm, with stand-ins for
+    Slurm's commands on PATH (their shell bodies given), and a run `r1` of Slurm job 42 indexed."""
+    hosts = local_inventory / "hosts.yml"
+    text = hosts.read_text().replace(
+        "    compute:\n      hosts:\n        localhost:\n",
+        "    compute:\n      hosts:\n        localhost:\n    mgmt:\n      hosts:\n        localhost:\n",
+    )
+    hosts.write_text(text + "    rlm_scheduler: slurm\n", encoding="utf-8")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"squeue": squeue, "scontrol": scontrol, "sacct": sacct}.items():
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/{name}.log\n{body}\n')
+        (bin_dir / name).chmod(0o755)
+    from runcontract.rundir import RunDir, write_json_atomic
+
+    run = RunDir(local_inventory.parent / "shared" / "runs" / "r1").create()
+    run.config_path.write_text(CONFIG.read_text())
+    write_json_atomic(
+        run.path / "slurm.json",
+        {
+            "job_id": "42",
+            "jobs": ["42"],
+            "request": {"nodes": 2, "partition": None, "time_limit": "1:00:00"},
+        },
+    )
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    assert rlmctl("-i", str(local_inventory), "reindex", env=env).returncode == 0
+    return run, env
+
+
+def test_watch_records_a_slurm_requeue_and_lifts_its_hold(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """Slurm requeued job 42 after NODE_FAIL and holds it (Reason=BeginTime): watch records a
+    `requeued` event with the reason once, releases the hold, and follows the job to its end."""
+    released = tmp_path / "released"
+    run, env = slurm_site(
+        local_inventory,
+        tmp_path,
+        # Pending until released, then gone from the queue (sacct has it).
+        squeue=f'[ -e {released} ] || echo "PENDING|(null)|BeginTime"',
+        scontrol=(
+            f'case "$1 $2" in\n'
+            f'  "--oneliner show") [ -e {released} ] && exit 1\n'
+            f'    echo "JobId=42 JobName=r1 JobState=PENDING Reason=BeginTime Restarts=1 NodeList=(null)";;\n'
+            f'  "update JobId=42") touch {released};;\n'
+            "esac"
+        ),
+        # sacct --duplicates: the run that node failed, then the requeued one; later COMPLETED.
+        sacct=(
+            'case "$*" in *--duplicates*) printf "NODE_FAIL\\nPENDING\\n";; '
+            '*) echo "COMPLETED|0:0|n[1-2]";; esac'
+        ),
+    )
+    run.append_event("start")
+    run.write_status(state="done", step=100, max_steps=100)
+    from runcontract.states import EventKind
+
+    run.append_event(EventKind.EXIT, exit_code=0, state="done", step=100)
+    result = rlmctl(
+        "-i", str(local_inventory), "watch", "r1", "--poll", "0.2", env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    requeues = [e for e in run.events() if e.kind == EventKind.REQUEUED]
+    assert len(requeues) == 1, requeues
+    assert requeues[0].fields == {
+        **requeues[0].fields,
+        "job_id": "42",
+        "restart": 1,
+        "reason": "NODE_FAIL",
+    }
+    assert "JobId=42 StartTime=now" in (tmp_path / "scontrol.log").read_text()
+    assert "Slurm requeued job 42 (NODE_FAIL)" in result.stdout + result.stderr
+
+
+def test_status_shows_the_pending_reason_and_the_allocated_nodes(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    _, env = slurm_site(
+        local_inventory,
+        tmp_path,
+        squeue='echo "RUNNING|n[1-2]|None"',
+        scontrol='[ "$1 $2" = "show hostnames" ] && printf "n1\\nn2\\n"',
+        sacct="",
+    )
+    shown = rlmctl("-i", str(local_inventory), "status", "r1", "--json", env=env)
+    info = json.loads(shown.stdout)
+    assert [h["host"] for h in info["hosts"]] == ["n1", "n2"], shown.stdout
+    (tmp_path / "bin/squeue").write_text('#!/bin/sh\necho "PENDING|(null)|Priority"\n')
+    pending = rlmctl("-i", str(local_inventory), "status", "r1", env=env)
+    assert "slurm job 42: PENDING (Priority)" in pending.stdout, pending.stdout
