@@ -345,3 +345,51 @@ def test_status_shows_the_pending_reason_and_the_allocated_nodes(
     (tmp_path / "bin/squeue").write_text('#!/bin/sh\necho "PENDING|(null)|Priority"\n')
     pending = rlmctl("-i", str(local_inventory), "status", "r1", env=env)
     assert "slurm job 42: PENDING (Priority)" in pending.stdout, pending.stdout
+
+
+@pytest.mark.parametrize(
+    ("state", "limit_signal", "code", "said"),
+    [
+        ("done", False, 0, "has nothing to do"),  # an earlier segment finished the run
+        ("stopped", True, 0, "the next one resumes"),  # its time limit: the next segment goes on
+    ],
+    ids=["run-done", "time-limit"],
+)
+def test_a_later_segment_of_a_chain(
+    local_inventory: Path, tmp_path: Path, state: str, limit_signal: bool, code: int, said: str
+) -> None:
+    """Segment 2 of 3 (render's `segment`; launch --segments does not submit chains yet) resumes
+    from the newest checkpoint, exits at once when the run is done, and makes way for the next
+    segment on its time-limit signal instead of requeueing. srun/scontrol/scancel/squeue are
+    stand-ins on PATH, as in test_plan_slurm."""
+    from runcontract.rundir import RunDir
+
+    host = load(local_inventory).select()[0]
+    script = slurm.render(CONFIG, "sg", 1, 1, None, "1:00:00", host, segment=2, segments=3)
+    assert "RLM_RESUME=auto" in script and "segment 2 of 3" in script
+    run = RunDir(host.runs_dir / "sg").create()
+    run.append_event("start")
+    run.write_status(state=state, step=40 if state == "stopped" else 100, max_steps=100)
+    # The previous segment's trainer said its last word: done, or stopped at its time limit.
+    run.append_event("exit", exit_code=0, state=state, step=40 if state == "stopped" else 100)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = f"#!/bin/sh\necho srun >> {tmp_path}/srun.log\n"
+    srun += "kill -TERM $(ps -o ppid= -p $PPID)\n" if limit_signal else ""
+    (bin_dir / "srun").write_text(srun + "exit 0\n")
+    for tool in ("scontrol", "scancel"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/{tool}.log\n')
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho N/A\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1"}
+    env.update({"SLURM_JOB_ID": "43", "SLURM_JOB_NUM_NODES": "1"})
+    result = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env)
+    assert result.returncode == code, result.stderr
+    assert said in result.stdout, result.stdout
+    assert (tmp_path / "srun.log").exists() is (state != "done")
+    scontrol = tmp_path / "scontrol.log"
+    assert not scontrol.exists() or "requeue" not in scontrol.read_text()
+    if state != "done":
+        launched = [e.fields for e in run.events() if e.kind == "launched"]
+        assert launched and launched[-1]["launch"] == "segment" and launched[-1]["segment"] == 2
