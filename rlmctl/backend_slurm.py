@@ -111,6 +111,20 @@ def _slurm_error(result: Result, what: str) -> SlurmRefused:
     return SlurmRefused(f"{what}: {detail}" + (f"; {fix}" if fix else ""))
 
 
+def _no_client(result: Result) -> SlurmRefused | None:
+    """The submit host has no Slurm client (the shell's exit 127, "sbatch: command not found"):
+    not a refusal by Slurm."""
+    detail = _slurm_detail(result)
+    if result.rc != 127 and "command not found" not in detail:
+        return None
+    command = detail.split(":")[-2].strip() if detail.count(":") >= 2 else "Slurm's commands"
+    return SlurmRefused(
+        f"{result.host} (the first 'mgmt' host, where rlmctl runs Slurm's commands) has no "
+        f"{command}; put the Slurm controller first in the mgmt group, or install the Slurm "
+        "client there (site.yml --tags slurm)"
+    )
+
+
 def munge_fix(nodes: list[str]) -> str:
     names = ",".join(nodes)
     return (
@@ -165,7 +179,7 @@ class Backend:
     def slurm(self, argv: list[str], what: str) -> Result:
         result = self.ctx.fleet.run(shlex.join(argv), hosts=[self.submit_host])[0]
         if not result.ok:
-            raise _slurm_error(result, what)
+            raise _no_client(result) or _slurm_error(result, what)
         return result
 
     def job(self, job_id: str) -> Job:
@@ -255,6 +269,8 @@ class Backend:
         result = self.ctx.fleet.run(command, hosts=[self.submit_host])[0]
         if result.ok:
             return placement
+        if missing := _no_client(result):
+            raise missing
         detail = _slurm_detail(result)
         if UNAVAILABLE.lower() in detail.lower() and (
             out := self.unavailable_nodes(placement.partition)

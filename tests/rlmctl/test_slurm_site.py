@@ -393,3 +393,17 @@ def test_a_later_segment_of_a_chain(
     if state != "done":
         launched = [e.fields for e in run.events() if e.kind == "launched"]
         assert launched and launched[-1]["launch"] == "segment" and launched[-1]["segment"] == 2
+
+
+def test_launch_without_a_slurm_client_on_the_controller_is_one_line(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """The first mgmt host has squeue and friends but no sbatch: one line naming the host and
+    the missing command (not "Slurm refused the job"), exit 1, nothing written."""
+    _, env = slurm_site(local_inventory, tmp_path, squeue="", scontrol="", sacct="")
+    assert not (tmp_path / "bin" / "sbatch").exists()
+    env["PATH"] = f"{tmp_path / 'bin'}:/usr/bin:/bin"  # no sbatch anywhere (checked below)
+    assert subprocess.run(["sh", "-c", "command -v sbatch"], env=env).returncode != 0
+    result = rlmctl("-i", str(local_inventory), "launch", "-c", str(CONFIG), "--name", "x", env=env)
+    assert_one_line_error(result, 1, "localhost", "has no sbatch", "mgmt")
+    assert not (local_inventory.parent / "shared" / "runs" / "x").exists()
