@@ -407,3 +407,43 @@ def test_launch_without_a_slurm_client_on_the_controller_is_one_line(
     result = rlmctl("-i", str(local_inventory), "launch", "-c", str(CONFIG), "--name", "x", env=env)
     assert_one_line_error(result, 1, "localhost", "has no sbatch", "mgmt")
     assert not (local_inventory.parent / "shared" / "runs" / "x").exists()
+
+
+def test_a_stop_signals_the_trainers_not_torchrun(local_inventory: Path, tmp_path: Path) -> None:
+    """Slurm's SIGTERM to the node's task goes on to torchrun's children (the trainers, which
+    save and exit 0), not to torchrun, which would end in a traceback and exit 1 (a FAILED
+    step in sacct after a clean stop). The stand-in torchrun notes a SIGTERM of its own."""
+    import signal
+    import time
+
+    host = load(local_inventory).select()[0]
+    script = slurm.render(CONFIG, "st", 2, 1, None, "1:00:00", host)
+    body = script.split("<<'RLM_NODE_SCRIPT'\n", 1)[1].split("RLM_NODE_SCRIPT\n", 1)[0]
+    noted = tmp_path / "torchrun-signalled"
+    torchrun = f'trap "echo yes > {noted}" TERM; sleep 30 & wait $!; exit 0'
+    line = "child = subprocess.Popen(argv)"
+    wrapper = tmp_path / "node.py"
+    wrapper.write_text(
+        body.replace(line, f"child = subprocess.Popen(['/bin/sh', '-c', {torchrun!r}])")
+    )
+    env = {**os.environ, "RUN_DIR": str(tmp_path / "run"), "SLURMD_NODENAME": "n1"}
+    env.update({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "head_node": "n1"})
+    env["PYTHONPATH"] = str(REPO)
+    node = subprocess.Popen([sys.executable, str(wrapper)], env=env, cwd=REPO)
+    deadline = time.monotonic() + 30
+
+    def trainer_started() -> bool:
+        shells = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True)
+        return any(
+            subprocess.run(["pgrep", "-P", pid], capture_output=True).returncode == 0
+            for pid in shells.stdout.split()
+        )
+
+    while not trainer_started():
+        assert time.monotonic() < deadline, "the stand-in trainer never started"
+        time.sleep(0.05)
+    node.send_signal(signal.SIGTERM)
+    node.wait(timeout=60)
+    assert not noted.exists(), "torchrun itself was signalled"
+    record = json.loads((tmp_path / "run/hosts/n1/exit.json").read_text())
+    assert record["signalled"] is True and record["exit_code"] == 0, record
