@@ -44,6 +44,8 @@ class LaunchRequest:
     # Slurm's site options from the command line (account, qos, reservation, constraint): they
     # replace the inventory's rlm_slurm_<key> for this run
     site: dict[str, str] = field(default_factory=dict)
+    # Slurm: jobs chained with afterany, each resuming from the one before (launch --segments)
+    segments: int = 1
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Placement:
     exclude: list[str] = field(default_factory=list)
     force: bool = False  # SSH: run on hosts that fail the gate
     site: dict[str, str] = field(default_factory=dict)  # Slurm: the command line's site options
+    segments: int = 1  # Slurm: a chain of this many jobs (a launch only)
 
     @property
     def world_size(self) -> int:

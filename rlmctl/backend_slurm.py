@@ -214,6 +214,8 @@ class Backend:
             raise RlmctlError(f"--nodes {nodes}: ask for at least one node")
         batch_script.time_limit_seconds(request.time_limit)  # a form Slurm refuses: one line
         batch_script.SiteOptions.of(hosts[0], request.site)  # bad site options: one line
+        if request.segments < 1:
+            raise RlmctlError(f"--segments {request.segments}: ask for at least one segment")
         return Placement(
             hosts=[],
             nodes=nodes,
@@ -222,6 +224,7 @@ class Backend:
             partition=request.partition,
             time_limit=request.time_limit,
             site=dict(request.site),
+            segments=request.segments,
         )
 
     def placement_of(self, run: RunDir, exclude: set[str]) -> Placement:
@@ -245,7 +248,8 @@ class Backend:
             site=dict(request.get("site") or {}),
         )
 
-    def script(self, run: RunDir, placement: Placement, attempt: Attempt) -> str:
+    def script(self, run: RunDir, placement: Placement, attempt: Attempt, segment: int = 1) -> str:
+        segments = placement.segments if attempt.kind == "launch" else 1
         return batch_script.render(
             config=run.config_path,
             name=run.name,
@@ -258,6 +262,8 @@ class Backend:
             exclude=placement.exclude,
             resume_from=attempt.resume_from,
             site=batch_script.SiteOptions.of(placement.template, placement.site),
+            segment=segment,
+            segments=segments,
         )
 
     def admit(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Placement:
@@ -332,12 +338,25 @@ class Backend:
     def start(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Started:
         """Write the batch script into the run directory, sbatch it, record the job and what it
         asked for (nodes, partition, time limit: a resume asks for the same)."""
-        path = run.path / f"slurm-{attempt.kind}-{len(self.ctx.registry.launches(run.name))}.sh"
-        path.write_text(self.script(run, placement, attempt), encoding="utf-8")
-        path.chmod(0o755)
-        argv = ["sbatch", "--parsable", str(path)]
-        result = self.slurm(argv, "sbatch refused the job")
-        job_id = result.stdout.strip().splitlines()[-1].split(";")[0]
+        stem = f"slurm-{attempt.kind}-{len(self.ctx.registry.launches(run.name))}"
+        segments = placement.segments if attempt.kind == "launch" else 1
+        chain: list[str] = []
+        for segment in range(1, segments + 1):
+            # A chain (launch --segments): segment k starts once k-1 has ended, whatever its end.
+            path = run.path / (f"{stem}.sh" if segments == 1 else f"{stem}-seg{segment}.sh")
+            path.write_text(self.script(run, placement, attempt, segment), encoding="utf-8")
+            path.chmod(0o755)
+            after = [f"--dependency=afterany:{chain[-1]}"] if chain else []
+            try:
+                result = self.slurm(
+                    ["sbatch", "--parsable", *after, str(path)], "sbatch refused the job"
+                )
+            except SlurmRefused:
+                for queued in chain:  # half a chain would end early: none of it
+                    self.slurm(["scancel", queued], "scancel failed")
+                raise
+            chain.append(result.stdout.strip().splitlines()[-1].split(";")[0])
+        job_id = chain[0]
         jobs = (read_json(run.path / JOB_FILE) or {}).get("jobs", [])
         request = {
             "nodes": placement.nodes,
@@ -345,9 +364,10 @@ class Backend:
             "time_limit": placement.time_limit,
             "site": placement.site,  # the command line's site options: a resume keeps them
         }
-        write_json_atomic(
-            run.path / JOB_FILE, {"job_id": job_id, "jobs": [*jobs, job_id], "request": request}
-        )
+        record = {"job_id": job_id, "jobs": [*jobs, *chain], "request": request}
+        if len(chain) > 1:
+            record["chain"] = chain
+        write_json_atomic(run.path / JOB_FILE, record)
         return Started(hosts=[], rdzv_id=job_id, job_id=job_id)
 
     def abandon(self, run: RunDir) -> bool:
@@ -361,9 +381,24 @@ class Backend:
         return True
 
     # look ---------------------------------------------------------------------------------------
-    def probe(self, run: RunDir) -> Probe:
+    def current(self, run: RunDir) -> Job:
+        """The run's job now: the recorded one, or in a chain (launch --segments) the first
+        segment from it on that Slurm still holds, else the chain's last."""
         job_id = job_id_of(run)
-        current = self.job(job_id) if job_id else Job("", "")
+        if job_id is None:
+            return Job("", "")
+        current = self.job(job_id)
+        chain = [str(j) for j in (read_json(run.path / JOB_FILE) or {}).get("chain") or []]
+        if current.ended and job_id in chain:
+            for later in chain[chain.index(job_id) + 1 :]:
+                current = self.job(later)
+                if not current.ended:
+                    break
+        return current
+
+    def probe(self, run: RunDir) -> Probe:
+        current = self.current(run)
+        job_id = current.job_id or None
         held = bool(current.state) and not current.ended
         # The host table of `status`: the nodes Slurm allocated to the job while it runs.
         nodes = self.job_nodes(current) if current.state in ("RUNNING", "COMPLETING") else []
@@ -388,8 +423,8 @@ class Backend:
         itself, with the same restart number), and said. A requeued job Slurm holds until its
         old credential expires (Reason=BeginTime, cred_expire + 1 s: docs/slurm.md) is started
         at once with `scontrol update StartTime=now`, which Slurm allows once it is pending."""
-        job_id = job_id_of(run)
-        if job_id is None:
+        job_id = self.current(run).job_id if job_id_of(run) else None
+        if not job_id:
             return
         shown = self.ctx.fleet.run(
             shlex.join(["scontrol", "--oneliner", "show", "job", job_id]), hosts=[self.submit_host]
@@ -443,10 +478,13 @@ class Backend:
         Not `--full`: that signals the batch step too, whose srun answers SIGTERM by terminating
         the training step (SIGKILL after KillWait) before the trainer can checkpoint (seen on
         the rig with Slurm 22.05)."""
-        job_id = job_id_of(run)
-        if job_id is None:
+        if job_id_of(run) is None:
             raise RlmctlError(f"run {run.name} has no Slurm job recorded ({run.path / JOB_FILE})")
-        current = self.job(job_id)
+        if (read_json(run.path / JOB_FILE) or {}).get("chain"):
+            # The chain's later segments first, so that none starts when this one ends.
+            self.slurm(["scancel", "--state=PENDING", f"--name={run.name}"], "scancel failed")
+        current = self.current(run)
+        job_id = current.job_id
         if not current.ended:
             if current.state == "RUNNING":
                 self.slurm(["scancel", "--signal=TERM", job_id], "scancel failed")

@@ -100,6 +100,8 @@ class Backend:
             raise RlmctlError(
                 f"{flags}: Slurm options, but this inventory's rlm_scheduler is ssh; drop them"
             )
+        if request.segments != 1:
+            raise RlmctlError("--segments chains Slurm jobs; this inventory's rlm_scheduler is ssh")
         hosts = self.ctx.hosts
         nodes = request.nodes
         if nodes is not None and not 1 <= nodes <= len(hosts):

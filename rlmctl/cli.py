@@ -171,6 +171,13 @@ def launch(
     qos: QosOpt = None,
     reservation: ReservationOpt = None,
     constraint: ConstraintOpt = None,
+    segments: Annotated[
+        int,
+        typer.Option(
+            help="Slurm: N jobs of --time each, chained (afterany), each resuming from the "
+            "one before, so the run goes on past the partition's time limit."
+        ),
+    ] = 1,
     json_output: JsonOpt = False,
 ) -> None:
     """Check the config and its memory estimate, gate, create the run directory, and start
@@ -185,7 +192,16 @@ def launch(
         account=account, qos=qos, reservation=reservation, constraint=constraint
     )
     request = LaunchRequest(
-        config, overrides or [], name, nodes, force, partition, time_limit, memory_check, site_flags
+        config,
+        overrides or [],
+        name,
+        nodes,
+        force,
+        partition,
+        time_limit,
+        memory_check,
+        site_flags,
+        segments,
     )
     with Context(_site(ctx)) as session:
         backend = lifecycle.backend_for(session)

@@ -447,3 +447,59 @@ def test_a_stop_signals_the_trainers_not_torchrun(local_inventory: Path, tmp_pat
     assert not noted.exists(), "torchrun itself was signalled"
     record = json.loads((tmp_path / "run/hosts/n1/exit.json").read_text())
     assert record["signalled"] is True and record["exit_code"] == 0, record
+
+
+def test_launch_segments_submits_a_chain_that_stop_cancels(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """launch --segments 3: three jobs, the 2nd and 3rd after the one before (afterany), each
+    script its own segment; status follows the chain to the segment Slurm holds; stop cancels
+    the pending segments before it signals the running one."""
+    log = tmp_path / "scancel.log"
+    _, env = slurm_site(
+        local_inventory,
+        tmp_path,
+        # Job 101 has ended (sacct); 102 runs until cancelled; 103 waits for it.
+        squeue=(
+            'case "$*" in *102*) grep -qx 102 '
+            + str(log)
+            + ' 2>/dev/null || echo "RUNNING|n1|None";; '
+            "*103*) grep -q PENDING "
+            + str(log)
+            + ' 2>/dev/null || echo "PENDING|(null)|Dependency";; esac'
+        ),
+        scontrol='[ "$1 $2" = "show hostnames" ] && echo n1; exit 0',
+        sacct='echo "COMPLETED|0:0|n1"',
+    )
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "sbatch").write_text(
+        f'#!/bin/sh\necho "$@" >> {tmp_path}/sbatch.log\n'
+        'case "$*" in *--test-only*) cat >/dev/null; echo "sbatch: Job 1 to start" >&2; exit 0;; esac\n'
+        f"n=$(cat {tmp_path}/n 2>/dev/null || echo 100); n=$((n + 1)); echo $n > {tmp_path}/n; echo $n\n"
+    )
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    for tool in ("sbatch", "scancel"):
+        (bin_dir / tool).chmod(0o755)
+    launched = rlmctl(
+        "-i", str(local_inventory), "launch", "-c", str(CONFIG), "--name", "ch",
+        "--segments", "3", "--time", "30", env=env, timeout=180,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr
+    run_dir = local_inventory.parent / "shared" / "runs" / "ch"
+    record = json.loads((run_dir / "slurm.json").read_text())
+    assert record["chain"] == ["101", "102", "103"] and record["job_id"] == "101"
+    submitted = [x for x in (tmp_path / "sbatch.log").read_text().splitlines() if "--parsable" in x]
+    assert "--dependency" not in submitted[0]
+    assert (
+        "--dependency=afterany:101" in submitted[1] and "--dependency=afterany:102" in submitted[2]
+    )
+    for k in (1, 2, 3):
+        assert f"segment {k} of 3" in (run_dir / f"slurm-launch-1-seg{k}.sh").read_text()
+    status = rlmctl("-i", str(local_inventory), "status", "ch", "--json", env=env)
+    job = json.loads(status.stdout)["slurm"]
+    assert job["job_id"] == "102" and job["state"] == "RUNNING", status.stdout
+    stop = rlmctl("-i", str(local_inventory), "stop", "ch", "--timeout", "1", env=env, timeout=180)
+    cancels = log.read_text().splitlines()
+    assert cancels[0] == "--state=PENDING --name=ch", cancels
+    assert "--signal=TERM 102" in cancels and "102" in cancels, cancels
+    assert stop.returncode == 0, stop.stderr
