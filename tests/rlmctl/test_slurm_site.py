@@ -503,3 +503,23 @@ def test_launch_segments_submits_a_chain_that_stop_cancels(
     assert cancels[0] == "--state=PENDING --name=ch", cancels
     assert "--signal=TERM 102" in cancels and "102" in cancels, cancels
     assert stop.returncode == 0, stop.stderr
+
+
+def test_a_job_without_an_account_is_refused_in_one_line_naming_the_variable(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """A site with AccountingStorageEnforce=associations refuses a job without an account of
+    the user's at submission (sbatch --test-only prints what Slurm 22.05 says); launch says so
+    in one line naming rlm_slurm_account, exit 1, and writes nothing."""
+    _, env = slurm_site(local_inventory, tmp_path, squeue="", scontrol="", sacct="")
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text(
+        "#!/bin/sh\ncat >/dev/null\necho 'sbatch: error: Batch job submission failed: Invalid "
+        "account or account/partition combination specified' >&2\nexit 1\n"
+    )
+    sbatch.chmod(0o755)
+    result = rlmctl(
+        "-i", str(local_inventory), "launch", "-c", str(CONFIG), "--name", "na", env=env
+    )
+    assert_one_line_error(result, 1, "Invalid account", "rlm_slurm_account", "--account")
+    assert not (local_inventory.parent / "shared" / "runs" / "na").exists()
