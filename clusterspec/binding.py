@@ -361,7 +361,10 @@ def pin(argv: list[str], environ=os.environ) -> None:
     if lists:
         if rank >= len(lists):
             raise BindingError(f"{RANK_CPUS_ENV} has {len(lists)} CPU lists, no LOCAL_RANK {rank}")
-        os.sched_setaffinity(0, parse_cpulist(lists[rank]))
+        try:
+            os.sched_setaffinity(0, parse_cpulist(lists[rank]))
+        except OSError as error:  # none of them in this process's cpuset: train unpinned
+            print(f"rank {rank} not pinned to CPUs {lists[rank]}: {error}", file=sys.stderr)
     os.execvp(argv[0], argv)
 
 

@@ -269,7 +269,14 @@ def render(
     # In the image (pyxis), its own python3 runs the node wrapper; the batch shell's bookkeeping
     # runs the bundle's Python of the node it starts on.
     step_python = container.IMAGE_PYTHON if image else host.python
-    srun = ["srun", "--kill-on-bad-exit=1", "--cpu-bind=none"]
+    # One task per node with every CPU of the node (an srun step otherwise gets one CPU per
+    # task: its cgroup would hold the ranks to one core), unbound: the ranks pin themselves.
+    srun = [
+        "srun",
+        "--kill-on-bad-exit=1",
+        "--cpus-per-task=$SLURM_CPUS_ON_NODE",
+        "--cpu-bind=none",
+    ]
     if image:
         srun += container.pyxis_options(host, image)
     node = node_wrapper(name, config, gpus_per_node, host)
@@ -320,7 +327,7 @@ trap on_limit_signal TERM USR1
 set +e
 step_status=$(mktemp)
 (
-  {shlex.join(srun)} {q(step_python)} "$node_script"
+  {" ".join(q(word) if "$" not in word else f'"{word}"' for word in srun)} {q(step_python)} "$node_script"
   echo $? >"$step_status"
 ) &
 until wait; do :; done  # a trap ends `wait` early; srun's code is in the file

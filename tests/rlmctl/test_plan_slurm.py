@@ -142,6 +142,7 @@ def test_slurm_script_requeues_only_a_run_stopped_by_the_time_limit_signal(
         "SLURM_JOB_NODELIST": "n1",
         "SLURM_JOB_ID": "42",
         "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_CPUS_ON_NODE": "2",
     }
     result = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env)
     assert result.returncode == exit_code, result.stderr

@@ -177,6 +177,7 @@ def test_each_rank_is_pinned_to_its_share_of_the_node(
     script = slurm.render(CONFIG, "exp", 1, 2, None, "1:00:00", host)
     srun = srun_line(script)
     assert "--cpu-bind=none" in srun and "--kill-on-bad-exit=1" in srun
+    assert '"--cpus-per-task=$SLURM_CPUS_ON_NODE"' in srun  # the whole node for the one task
     argv, seen = wrapper_argv(script, tmp_path)
     expected = plan_here(2, "none")["plan"]
     assert seen["cpus"] == expected["RLM_RANK_CPUS"], seen
@@ -383,7 +384,7 @@ def test_a_later_segment_of_a_chain(
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1"}
-    env.update({"SLURM_JOB_ID": "43", "SLURM_JOB_NUM_NODES": "1"})
+    env.update({"SLURM_JOB_ID": "43", "SLURM_JOB_NUM_NODES": "1", "SLURM_CPUS_ON_NODE": "2"})
     result = subprocess.run(["bash"], input=script, text=True, capture_output=True, env=env)
     assert result.returncode == code, result.stderr
     assert said in result.stdout, result.stdout
@@ -523,3 +524,13 @@ def test_a_job_without_an_account_is_refused_in_one_line_naming_the_variable(
     )
     assert_one_line_error(result, 1, "Invalid account", "rlm_slurm_account", "--account")
     assert not (local_inventory.parent / "shared" / "runs" / "na").exists()
+
+
+def test_a_rank_whose_cpus_are_outside_its_cpuset_still_starts() -> None:
+    """`pin` with CPUs the process may not use (outside a job's cpuset; here CPU 4000) says so
+    and runs the trainer unpinned rather than failing the rank."""
+    env = {**os.environ, "RLM_RANK_CPUS": "4000;4001", "LOCAL_RANK": "0"}
+    argv = [sys.executable, "-m", "clusterspec.binding", "pin", "--", "echo", "started"]
+    result = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == "started\n", result.stderr
+    assert "rank 0 not pinned to CPUs 4000" in result.stderr
