@@ -462,10 +462,12 @@ class Backend:
         except SlurmRefused:
             return "requeued"
         states = [row.split()[0] for row in rows.stdout.splitlines() if row.strip()]
-        ended = [s for s in states if s not in ("PENDING", "RUNNING", "REQUEUED")]
-        if ended:
-            return ended[-1]
-        return "scontrol requeue" if "REQUEUED" in states else "requeued"
+        # The newest row is the job as it is now (pending again, or running); the one before it
+        # is how the run that was requeued ended (REQUEUED: an `scontrol requeue`).
+        earlier = [state for state in states[:-1] if state not in ("PENDING", "RUNNING")]
+        if not earlier:
+            return "requeued"
+        return {"REQUEUED": "scontrol requeue"}.get(earlier[-1], earlier[-1])
 
     # stop ---------------------------------------------------------------------------------------
     def stop(
