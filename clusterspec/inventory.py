@@ -80,7 +80,8 @@ class Host:
     # the inventory has them (keys without the rlm_slurm_ prefix); rlmctl.slurm checks them.
     slurm_site: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     container_image: str | None = None  # rlm_container_image: the trainer runs in this image
-    container_options: tuple[str, ...] = ()  # rlm_container_options: more `podman run` options
+    # rlm_container_options: more `podman run` options (SSH) or pyxis srun options (Slurm)
+    container_options: tuple[str, ...] = ()
 
     @property
     def is_local(self) -> bool:

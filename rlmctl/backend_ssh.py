@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterspec.inventory import Host
-from rlmctl import health
+from rlmctl import container, health
 from rlmctl.backend import Attempt, LaunchRequest, Placement, Probe, Say, Started
 from rlmctl.context import Context
 from rlmctl.errors import GateRefused, RlmctlError
@@ -48,8 +48,10 @@ def trainer_argv(
     host: Host, hosts: list[Host], run: RunDir, rdzv_id: str, overrides: list[str]
 ) -> list[str]:
     first = hosts[0]
+    env = [*host.comm_env, "PYTHONUNBUFFERED", "RLMCTL_RUN", "RLMCTL_HOST"]
+    python = container.podman_argv(host, env) if host.container_image else [host.python]
     return [
-        host.python,
+        *python,
         "-m",
         "torch.distributed.run",
         f"--nnodes={len(hosts)}",

@@ -534,3 +534,31 @@ def test_a_rank_whose_cpus_are_outside_its_cpuset_still_starts() -> None:
     result = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout == "started\n", result.stderr
     assert "rank 0 not pinned to CPUs 4000" in result.stderr
+
+
+def test_a_container_image_runs_torchrun_in_podman_over_ssh(local_inventory: Path) -> None:
+    """Over SSH the launcher runs torchrun in `podman run` of the image: host network and IPC,
+    the shared directory at its path, the run's marker variables passed on by name (so status
+    and stop find the container's processes as any), then rlm_container_options."""
+    from rlmctl.backend_ssh import trainer_argv
+    from runcontract.rundir import RunDir
+
+    with_vars(
+        local_inventory,
+        "    rlm_container_image: localhost/rlm-trainer:abc\n"
+        '    rlm_container_options: ["--device=/dev/kfd", "--device=/dev/dri"]\n'
+        "    rlm_comm_env: {NCCL_DEBUG: WARN}\n",
+    )
+    host = load(local_inventory).select()[0]
+    run = RunDir(host.runs_dir / "pc")
+    argv = trainer_argv(host, [host], run, "pc-1", [])
+    shared = host.shared_dir.rstrip("/")
+    image = argv.index("localhost/rlm-trainer:abc")
+    assert argv[:5] == ["podman", "run", "--rm", "--network=host", "--ipc=host"]
+    head = argv[5:image]
+    assert f"--volume={shared}:{shared}" in head and f"--workdir={shared}" in head
+    for name in ("RLMCTL_RUN", "RLMCTL_HOST", "NCCL_DEBUG", "PYTHONUNBUFFERED"):
+        assert f"--env={name}" in head
+    assert head[-2:] == ["--device=/dev/kfd", "--device=/dev/dri"]
+    assert argv[image + 1 : image + 4] == ["python3", "-m", "torch.distributed.run"]
+    assert f"run_dir={run.path}" in argv
