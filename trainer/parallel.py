@@ -22,9 +22,11 @@ all-gathering r times; their memory is C blocks of unsharded weights, not r.
 Precision (`MixedPrecisionPolicy`): parameters are all-gathered and computed in the training
 dtype (bf16 under `train.precision=bf16`), the sharded master weights and AdamW state stay fp32,
 and gradients are reduced in fp32 (what the Huginn run did) unless `comm.compression=bf16|fp16`
-asks for a cheaper wire dtype. fp16 loss scaling is refused under fsdp/hsdp: each rank would find
-infs only in its own gradient shard and the ranks could disagree on skipping a step; bf16 needs
-no scaling.
+asks for a cheaper wire dtype. Forward arguments are not cast (`cast_forward_inputs=False`): the
+residual stream and the RoPE tables stay fp32 as under DDP's autocast, and the loop's autocast
+casts the matmul inputs. fp16 is refused under fsdp/hsdp at config time (`config.validate`):
+each rank would find infs only in its own gradient shard and the ranks could disagree on
+skipping a step; bf16 needs no scaling.
 
 Checkpoints hold the same full (unsharded) model and optimizer state as under DDP, gathered to
 host memory by `full_state` and sharded again by `load_full_state`, so a run can resume on any
@@ -74,11 +76,6 @@ def check_strategy(cfg: Config, world_size: int, gpu: bool) -> None:
         if p.offload:
             raise ConfigError("parallel.offload needs parallel.strategy=fsdp or hsdp")
         return
-    if cfg.train.precision == "fp16":
-        raise ConfigError(
-            f"train.precision=fp16 is not supported with parallel.strategy={p.strategy} (ranks "
-            "would disagree on which steps overflow); use train.precision=bf16, or strategy=ddp"
-        )
     if p.offload and not gpu:
         raise ConfigError(
             "parallel.offload=true needs GPUs (it offloads device memory to the host); "
@@ -166,9 +163,13 @@ def shard_model(model: RecurrentLM, cfg: Config, env: DistEnv) -> ShardedCommSta
     """
     mesh = build_mesh(cfg, env)
     wire = WIRE_DTYPES[cfg.comm.compression]
+    # cast_forward_inputs=False: FSDP would otherwise cast every floating argument of a block's
+    # forward to bf16, the fp32 RoPE tables and the fp32 residual stream included. The loop's
+    # autocast casts what the matmuls need, as under DDP, so both strategies compute the same.
     policy = MixedPrecisionPolicy(
         param_dtype=PARAM_DTYPES[cfg.train.precision],
         reduce_dtype=wire or torch.float32,
+        cast_forward_inputs=False,
     )
     common: dict[str, Any] = {"mesh": mesh, "mp_policy": policy}
     if cfg.parallel.offload:

@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.trainer.faults import faults_env
 from tests.trainer.training_runs import TINY, final_weights, overrides, tiny_config, torchrun
+from trainer import parallel
 from trainer.config import load_config
+from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
 from trainer.model import RecurrentLM
 from trainer.parallel import check_strategy
@@ -107,10 +110,54 @@ def test_hsdp_with_two_shard_groups_of_two_ranks_matches_one_process(
     assert all(r["comm_bytes"] >= 4 * n_params * (2 + 1 / 2) for r in records), records[0]
 
 
+@pytest.fixture
+def one_rank_group(tmp_path: Path):
+    """A gloo process group of this test process alone: enough for FSDP2 to shard (1 shard)
+    and to apply its MixedPrecisionPolicy, in a second instead of a torchrun job."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_bf16_sharded_blocks_get_fp32_rope_tables(
+    one_rank_group: DistEnv, tmp_path: Path, strategy: str
+) -> None:
+    """bf16 under fsdp/hsdp crashed at the first forward in apply_rope: FSDP2 cast the RoPE
+    tables (forward arguments of every sharded block) to bf16. Now the tables stay fp32 (the
+    model refuses narrower ones) and the loss is DDP's (fp32 weights under the same autocast)
+    up to the bf16 rounding of the weights."""
+    layout = [f"parallel.strategy={strategy}", "train.precision=bf16"]
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", "data.path=x", *layout])
+    ids = torch.randint(
+        0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.device("meta"):  # as trainer.train.Run.build makes them
+        sharded, plain = RecurrentLM(cfg.model), RecurrentLM(cfg.model)
+    parallel.shard_model(sharded, cfg, one_rank_group)
+    for model, init in (
+        (sharded, parallel.init_sharded_weights),
+        (plain, RecurrentLM.init_weights),
+    ):
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        init(model)
+    losses = []
+    for model in (sharded, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids, num_steps=3, backprop_depth=2, state_seeds=[0, 1]).loss
+        loss.backward()
+        losses.append(float(loss))
+    assert sharded.rope_cos.dtype == torch.float32
+    assert losses[0] == pytest.approx(losses[1], rel=5e-4), losses
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["train.precision=fp16"], "train.precision=fp16 is not supported with"),
         (["parallel.offload=true"], "parallel.offload=true needs GPUs"),
         (["parallel.strategy=hsdp", "parallel.replicas=3"], "must divide the world size 4"),
     ],
