@@ -47,7 +47,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -60,6 +59,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from trainer import mapped_state
 from trainer.commtime import CommTimer
 from trainer.config import Config
 from trainer.distributed import WIRE_DTYPES, CommStats, DistEnv
@@ -268,24 +268,80 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
 ) -> None:
-    """Shard full (unsharded) state dicts into a sharded model and its optimizer (a collective)."""
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
+    """Shard full (unsharded) state dicts into a sharded model and its optimizer, locally and
+    tensor by tensor: every rank has the full tensors (memory-mapped from the checkpoint,
+    trainer/mapped_state.py), copies the slice of each that is its own shard and lets go of the
+    full tensor's pages. No collective, and no rank holds more than its own state plus about
+    one tensor of the checkpoint (torch's set_*_state_dict with full state dicts would
+    distribute every tensor from rank 0's whole copy)."""
+    params = dict(model.named_parameters())
+    missing, unexpected = (
+        sorted(set(params) - set(model_state)),
+        sorted(set(model_state) - set(params)),
+    )
+    if missing or unexpected:
+        raise RuntimeError(
+            f"Missing key(s) in state_dict: {missing}; unexpected key(s): {unexpected}"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            full = model_state[name]
+            if full.shape != param.shape:
+                raise RuntimeError(
+                    f"size mismatch for {name}: copying a param with shape {full.shape} from "
+                    f"checkpoint, the shape in current model is {param.shape}."
+                )
+            _local(param).copy_(_own_slice(full, param))
+            mapped_state.release(full)
     if not optim_state:  # an imported checkpoint holds weights only: the optimizer starts fresh
         return
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
     ids = [i for group in optim_state["param_groups"] for i in group["params"]]
+    names = _param_names(model, optimizer)
     if len(ids) != len(names):
         raise ValueError(f"optimizer state has {len(ids)} parameters, the model {len(names)}")
-    fqn = dict(zip(ids, _param_names(model, optimizer), strict=True))
+    fqn = dict(zip(ids, names, strict=True))
+    state = {}
+    for i, entry in optim_state["state"].items():
+        param = params[fqn[i]]
+        state[fqn[i]] = {key: _sharded_like(value, param) for key, value in entry.items()}
     named = {
-        "state": {fqn[i]: value for i, value in optim_state["state"].items()},
+        "state": state,
         "param_groups": [
             {**group, "params": [fqn[i] for i in group["params"]]}
             for group in optim_state["param_groups"]
         ],
     }
-    set_optimizer_state_dict(model, optimizer, named, options=options)
+    set_optimizer_state_dict(model, optimizer, named)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _own_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full` as `param` is sharded (a view where it can be: the same split
+    on every rank, no communication), or `full` itself for an unsharded parameter."""
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(
+        full, param.device_mesh, param.placements, src_data_rank=None
+    ).to_local()
+
+
+def _sharded_like(value: Any, param: torch.Tensor) -> Any:
+    """An optimizer state entry in this rank's memory: AdamW's moments (the parameter's shape)
+    sharded as the parameter is, anything else (the step count) copied whole."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(param, DTensor) and value.shape == param.shape:
+        mine = _own_slice(value, param).clone()
+        sharded = DTensor.from_local(
+            mine, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+    else:
+        sharded = value.clone()
+    mapped_state.release(value)
+    return sharded
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
