@@ -115,6 +115,12 @@ def synchronize(device: torch.device) -> None:
         getattr(torch, device.type).synchronize(device)
 
 
+def rank_from_env() -> int:
+    """This process's rank as torchrun announced it (0 without torchrun); readable before any
+    setup."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def world_size_from_env() -> int:
     """The world size torchrun announced (1 without torchrun); readable before any setup."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -123,7 +129,7 @@ def world_size_from_env() -> int:
 def init(cfg: CommConfig, device: str = "auto") -> DistEnv:
     """Join the process group torchrun describes (or the one the caller formed already, which
     the caller keeps: a test that runs several trainings in one group) and pick the device."""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = rank_from_env()
     world_size = world_size_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_gpu = use_accelerator(device)

@@ -14,7 +14,8 @@ Layout::
       status.json                       newest progress snapshot, replaced atomically (step, loss,
                                         step_time/comm_time: mean seconds of a step and of its
                                         gradient communication since the last snapshot)
-      events.jsonl                      lifecycle events (launched, start, checkpoint, exit, stop_*)
+      events.jsonl                      lifecycle events (launched, start, checkpoint, exit, stop_*,
+                                        start_refused)
       checkpoints/step-00001000/        one directory per checkpoint; manifest.json written last
       hosts/<host>/launch.json          what rlmctl started on that host (pid, pgid, command)
       hosts/<host>/launcher.log         stdout+stderr of that host's torchrun
@@ -111,6 +112,12 @@ EVENT_STATES: dict[str, RunState] = {
     "launch_failed": RunState.FAILED,
     "gave_up": RunState.FAILED,  # rlmctl watch: not restartable or restart budget used up
 }
+
+
+# A trainer that refused to start (bad config or checkpoint.resume, unusable data or checkpoints,
+# before its first step) appends this with "exit_code" and a one-line "reason", then an `exit`
+# event without a state: neither moves the state, and status.json is not written.
+START_REFUSED = "start_refused"
 
 
 def allowed(old: RunState | None, new: RunState) -> bool:
@@ -311,7 +318,10 @@ def verify_checkpoint(path: Path, full: bool = False) -> CheckpointInfo:
             mtime = 0.0
         return CheckpointInfo(step, path, valid, reason, size, mtime)
 
-    manifest = read_json(path / MANIFEST_NAME)
+    try:
+        manifest = read_json(path / MANIFEST_NAME)
+    except OSError as error:  # an I/O error, not a missing file: the checkpoint cannot be used
+        return result(False, f"cannot read {MANIFEST_NAME} ({error.strerror or error})")
     if manifest is None:
         return result(False, "no readable manifest.json (partial or interrupted save)")
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -328,8 +338,11 @@ def verify_checkpoint(path: Path, full: bool = False) -> CheckpointInfo:
             return result(False, f"{name} is missing")
         if size != entry.get("size"):
             return result(False, f"{name} has {size} bytes, manifest says {entry.get('size')}")
-        if full and sha256_file(file_path) != entry.get("sha256"):
-            return result(False, f"{name} does not match its sha256")
+        try:
+            if full and sha256_file(file_path) != entry.get("sha256"):
+                return result(False, f"{name} does not match its sha256")
+        except OSError as error:
+            return result(False, f"cannot read {name} ({error.strerror or error})")
         total += size
     return result(True, "ok", total)
 
