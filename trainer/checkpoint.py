@@ -148,6 +148,8 @@ def state_nbytes(obj: Any) -> int:
 
     def visit(value: Any) -> None:
         if isinstance(value, torch.Tensor):
+            if hasattr(value, "to_local"):  # a DTensor: this rank's shard
+                value = value.to_local()
             storage = value.untyped_storage()
             seen[(storage.data_ptr(), str(value.device))] = storage.nbytes()
         elif isinstance(value, dict):
@@ -344,7 +346,7 @@ class CheckpointStore:
         try:
             self.run_dir.checkpoints_dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temp_dirs()
-            self._check_free_space(step, state)
+            self._check_free_space(state_nbytes(state))
         except OSError as exc:
             return self._failed(step, exc, None)
         if not self.cfg.async_save:
@@ -479,9 +481,11 @@ class CheckpointStore:
         """Every rank writes its DCP shards into rank 0's temp directory; rank 0 publishes it."""
         self._wait_for_write()
         started = time.perf_counter()
+        # Every rank writes its own shards to the same filesystem: rank 0 checks room for all.
+        sizes = self.ranks.gather(state_nbytes({k: state[k] for k in ("model", "optimizer")}))
         prepared: tuple[str, str] | None = None
         if self.rank == 0:
-            prepared = self._prepare_sharded(step)
+            prepared = self._prepare_sharded(step, sum(sizes))
         kind, where = self.ranks.broadcast(prepared)
         if kind == "exists":
             self.last_saved_step = step
@@ -514,12 +518,14 @@ class CheckpointStore:
         self._thread.start()
         return True
 
-    def _prepare_sharded(self, step: int) -> tuple[str, str]:
-        """Rank 0: ("write", temp dir), ("exists", path) or ("error", why)."""
+    def _prepare_sharded(self, step: int, nbytes: int) -> tuple[str, str]:
+        """Rank 0: ("write", temp dir), ("exists", path) or ("error", why); `nbytes`: the
+        tensor bytes all ranks will write."""
         final = self.run_dir.checkpoint_path(step)
         try:
             self.run_dir.checkpoints_dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temp_dirs()
+            self._check_free_space(nbytes)
             if final.exists() and verify_checkpoint(final).valid and final not in self._unreadable:
                 log.info("checkpoint: %s already exists, not written again", final)
                 return "exists", str(final)
@@ -528,7 +534,7 @@ class CheckpointStore:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         except OSError as exc:
-            return "error", _first_line(exc)
+            return "error", str(exc).strip().splitlines()[0]
         return "write", str(tmp)
 
     def _finish_sharded(
@@ -650,8 +656,8 @@ class CheckpointStore:
             return dataclasses.replace(info, reason="a rank could not read it at resume")
         return info
 
-    def _check_free_space(self, step: int, state: dict[str, Any]) -> None:
-        needed = state_nbytes(state) + SIZE_SLACK_BYTES + self.cfg.min_free_bytes
+    def _check_free_space(self, nbytes: int) -> None:
+        needed = nbytes + SIZE_SLACK_BYTES + self.cfg.min_free_bytes
         free = shutil.disk_usage(self.run_dir.checkpoints_dir).free
         if free < needed:
             raise OSError(

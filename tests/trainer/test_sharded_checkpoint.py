@@ -119,6 +119,20 @@ def test_sharded_save_hashes_while_writing_and_reads_nothing_back(tmp_path: Path
         assert verify_checkpoint(path, full=True).valid
 
 
+def test_a_sharded_save_checks_free_space_before_writing(tmp_path: Path) -> None:
+    """checkpoint.min_free_bytes (and a disk too small for the state) were checked for full
+    saves only: a sharded save started writing into a disk it could not fit on."""
+    run = RunDir(tmp_path / "run").create()
+    cfg = CheckpointConfig(format="sharded", min_free_bytes=10**18)
+    store = CheckpointStore(run, cfg, 0, 1)
+    assert not store.save(1, one_rank_state())
+    store.wait()
+    assert store.failures == 1
+    assert list(run.checkpoints_dir.iterdir()) == []  # nothing written, no temp directory
+    (event,) = [e for e in run.events() if e.kind == "checkpoint_failed"]
+    assert "needs about" in event.fields["error"] and "free" in event.fields["error"], event
+
+
 def test_async_sharded_save_writes_the_tensors_as_they_were_at_save(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run").create()
     state = one_rank_state()
