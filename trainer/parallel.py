@@ -47,7 +47,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -295,23 +294,19 @@ def load_full_state(
             mapped_state.release(full)
     if not optim_state:  # an imported checkpoint holds weights only: the optimizer starts fresh
         return
+    # In the optimizer's own (index-keyed) format, which is how full checkpoints store it: torch's
+    # set_optimizer_state_dict would first run a fake step to create every moment (and a zero
+    # gradient per parameter), holding the rank's optimizer state twice.
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
     ids = [i for group in optim_state["param_groups"] for i in group["params"]]
-    names = _param_names(model, optimizer)
-    if len(ids) != len(names):
-        raise ValueError(f"optimizer state has {len(ids)} parameters, the model {len(names)}")
-    fqn = dict(zip(ids, names, strict=True))
-    state = {}
-    for i, entry in optim_state["state"].items():
-        param = params[fqn[i]]
-        state[fqn[i]] = {key: _sharded_like(value, param) for key, value in entry.items()}
-    named = {
-        "state": state,
-        "param_groups": [
-            {**group, "params": [fqn[i] for i in group["params"]]}
-            for group in optim_state["param_groups"]
-        ],
+    if len(ids) != len(ordered):
+        raise ValueError(f"optimizer state has {len(ids)} parameters, the model {len(ordered)}")
+    by_id = dict(zip(ids, ordered, strict=True))
+    state = {
+        i: {key: _sharded_like(value, by_id[i]) for key, value in entry.items()}
+        for i, entry in optim_state["state"].items()
     }
-    set_optimizer_state_dict(model, optimizer, named)
+    optimizer.load_state_dict({"state": state, "param_groups": optim_state["param_groups"]})
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -342,9 +337,3 @@ def _sharded_like(value: Any, param: torch.Tensor) -> Any:
         sharded = value.clone()
     mapped_state.release(value)
     return sharded
-
-
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Names of the optimizer's parameters in its own order."""
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]

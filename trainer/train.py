@@ -189,15 +189,21 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
         parallel.check_strategy(cfg, world_size, on_accelerator)
         train_ds, val_ds = open_data(cfg)
         set_deterministic(cfg)
-    except UserError as exc:
-        # Rank 0 (every rank hits the same input) records the refusal in a run directory
-        # that rlmctl made; a trainer started by hand with a wrong path leaves nothing behind.
+        comm_log = comm_path.capture(cfg.run_dir) if on_accelerator else None
+        env = distributed.init(cfg.comm, cfg.train.device)
+    except BaseException as exc:
+        # Rank 0 (every rank hits the same input) records it in a run directory that rlmctl
+        # made; a trainer started by hand with a wrong path leaves nothing behind.
         if distributed.rank_from_env() == 0 and RunDir(cfg.run_dir).path.is_dir():
-            _record_refusal(RunDir(cfg.run_dir), exc)
+            if isinstance(exc, UserError) and exc.exit_code in REFUSALS:
+                _record_refusal(RunDir(cfg.run_dir), exc)
+            else:  # the rendezvous failed, a peer missing: restartable
+                code = exc.exit_code if isinstance(exc, UserError) else ExitCode.FAILED
+                with contextlib.suppress(OSError):
+                    RunDir(cfg.run_dir).append_event(
+                        "exit", exit_code=int(code), state="failed", step=None
+                    )
         raise
-
-    comm_log = comm_path.capture(cfg.run_dir) if on_accelerator else None
-    env = distributed.init(cfg.comm, cfg.train.device)
     setup_logging(env.rank)
     run_dir = RunDir(cfg.run_dir)
     reporter = Reporter(cfg, env, run_dir)
