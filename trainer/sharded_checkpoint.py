@@ -73,7 +73,10 @@ def apply_tensor_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if state["optimizer"]:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    else:  # an imported checkpoint (weights only): the optimizer starts fresh, without the
+        optimizer.state.clear()  # zero-gradient step by which `tensor_state` built its template
 
 
 class _HashingFileSystem(FileSystem):
@@ -250,6 +253,12 @@ def read_shards(
     parts of the files its own shards need. A collective; UnreadableShards on every rank when
     any rank fails."""
     group = None if not dist.is_initialized() else dist.group.WORLD
+    try:
+        stored = FileSystemReader(path / DCP_DIR).read_metadata().state_dict_metadata
+    except Exception:  # unreadable here: dcp.load below fails on this rank, and all ranks agree
+        stored = None
+    if stored is not None and not any(key.startswith("optimizer.") for key in stored):
+        template = {**template, "optimizer": {}}  # `import-hf --format sharded`: weights only
     reader = FileSystemReader(path / DCP_DIR)
     reader.fs = files = _HashingFileSystem(before_read)
     try:

@@ -51,7 +51,7 @@ from trainer.hooks import TrainHooks, hooks_from_env
 from trainer.metrics import Reporter, StepResult
 from trainer.model import RecurrentLM, sample_recurrence
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.rundir import START_REFUSED, ExitCode, RunDir, RunDirBusy, RunDirUnwritable
+from trainer.rundir import EventKind, ExitCode, RunDir, RunDirBusy, RunDirUnwritable
 
 log = logging.getLogger("trainer")
 
@@ -275,7 +275,7 @@ def _record_refusal(run_dir: RunDir, error: UserError) -> None:
     (`RunDir.state`) stay what the earlier attempt left: nothing was started."""
     code = int(error.exit_code)
     with contextlib.suppress(OSError):  # an unwritable directory: the error line is the record
-        run_dir.append_event(START_REFUSED, exit_code=code, reason=str(error))
+        run_dir.append_event(EventKind.START_REFUSED, exit_code=code, reason=str(error))
         run_dir.append_event("exit", exit_code=code, state=None, step=None)
 
 
