@@ -345,3 +345,44 @@ def test_incomplete_receiver_settings_are_one_line_errors(tmp_path, monkeypatch,
     assert result.stderr.count("\n") == 1 and named in result.stderr
     assert not (tmp_path / "alertmanager.yml").exists()
     assert "hooks.slack.com" not in result.stderr  # no secret in the message
+
+
+def test_site_refuses_an_alertmanager_without_receiver_before_any_change(tmp_path: Path) -> None:
+    """An Alertmanager with no receiver accepts every alert and delivers none (amtool passes it):
+    preflight names the variables on the mgmt host that has none; a Watchdog URL alone does not
+    count; a receiver or the explicit opt-out passes."""
+    from tests.ansible.playbook_run import run_playbook, write_inventory
+
+    local = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "ansible_host": "127.0.0.1",
+    }
+    hosts = {
+        "silent": local,
+        "watchdog_only": {**local, "rlm_alert_watchdog_url": "https://deadman.example.org/p/1"},
+        "webhook": {**local, "rlm_alert_webhook_url": "http://10.0.0.1:8080/alerts"},
+        "opted_out": {**local, "rlm_alert_allow_no_receiver": True},
+    }
+    inventory = {
+        "all": {
+            "children": {"mgmt": {"hosts": hosts}},
+            "vars": {"rlm_gpu_vendor": "none", "rlm_gpus_per_node": 0, "rlm_shared_fs": "none"},
+        }
+    }
+    run = run_playbook(
+        "preflight.yml", write_inventory(tmp_path / "hosts.yml", inventory), tmp_path, check=True
+    )
+    assert run.rc != 0
+    for host in ("silent", "watchdog_only"):
+        [failure] = run.failures(host)
+        assert failure.count("\n") == 0, failure
+        assert (
+            f"Alertmanager on {host} would deliver alerts to no one: set rlm_alert_webhook_url, "
+            "rlm_alert_slack_api_url, rlm_alert_email_to or rlm_alert_pagerduty_routing_key"
+        ) in failure
+        assert "rlm_alert_allow_no_receiver: true" in failure
+    for host in ("webhook", "opted_out"):
+        assert run.ran(host, "Check Alertmanager has a receiver for critical and warning alerts")
+        [failure] = run.failures(host)  # only the final "some host failed validation" stop
+        assert "validation failed on silent, watchdog_only" in failure

@@ -102,12 +102,13 @@ def make_server_cert(directory: Path, ca_key, ca_cert) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def get(url: str, ca: Path, login: tuple[str, str] | None = None) -> tuple[int, str]:
+def get(url: str, ca: Path | None, login: tuple[str, str] | None = None) -> tuple[int, str]:
+    """(status, body) of a GET, verifying HTTPS with `ca`, logging in with `login`."""
     request = urllib.request.Request(url)
     if login:
         token = base64.b64encode(f"{login[0]}:{login[1]}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
-    context = ssl.create_default_context(cafile=str(ca))
+    context = ssl.create_default_context(cafile=str(ca)) if ca else None
     try:
         with urllib.request.urlopen(request, timeout=5, context=context) as response:
             return response.status, response.read().decode()
@@ -357,3 +358,47 @@ def test_rlmctl_accept_queries_prometheus_with_the_inventory_ca_and_login(
             accept.PrometheusAPI(stack.prometheus, str(stack.wrong_ca), USER, PASSWORD),
             "vector(1)",
         )
+
+
+def test_basic_auth_is_on_by_default_with_a_login_generated_once(tmp_path: Path) -> None:
+    """No rlm_monitoring_* setting at all: the role generates a login on the controller into the
+    inventory's group_vars/all/ (mode 0600, no secret in the output), serves with it, keeps it on
+    the next run (nothing changes), and rlmctl reads the same login from the inventory."""
+    first_output, web_dir = run_monitoring_web(tmp_path, {})
+    credentials = tmp_path / "group_vars" / "all" / "rlm-monitoring-credentials.yml"
+    assert credentials.stat().st_mode & 0o777 == 0o600
+    generated = yaml.safe_load(credentials.read_text())
+    user, password = generated["rlm_monitoring_username"], generated["rlm_monitoring_password"]
+    assert user == "rlm-ops" and len(password) >= 32
+    web = yaml.safe_load((web_dir / "web-config.yml").read_text())
+    assert list(web["basic_auth_users"]) == [user] and "tls_server_config" not in web
+    assert bcrypt.checkpw(password.encode(), web["basic_auth_users"][user].encode())
+    assert (web_dir / "password").read_text() == password
+    assert password not in first_output and web["basic_auth_users"][user] not in first_output
+
+    second_output, _ = run_monitoring_web(tmp_path, {})
+    assert yaml.safe_load(credentials.read_text()) == generated
+    assert '"changed": true' not in second_output
+
+    host = inventory.load(tmp_path / "hosts.yml").hosts["mgmt1"]
+    assert (host.monitoring_username, host.monitoring_password) == (user, password)
+
+    port = free_port()
+    prometheus = start(
+        [
+            shutil.which("prometheus"), f"--config.file={ROOT / 'monitoring/prometheus/prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+            f"--web.config.file={web_dir / 'web-config.yml'}",
+        ],
+        tmp_path / "prometheus.log",
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}/api/v1/status/buildinfo"
+        wait_for(
+            lambda: get(url, None, (user, password))[0] == 200, 60, "Prometheus with the login"
+        )
+        assert get(url, None)[0] == 401
+        assert get(url, None, (user, "not-the-password"))[0] == 401
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
