@@ -386,3 +386,40 @@ def test_site_refuses_an_alertmanager_without_receiver_before_any_change(tmp_pat
         assert run.ran(host, "Check Alertmanager has a receiver for critical and warning alerts")
         [failure] = run.failures(host)  # only the final "some host failed validation" stop
         assert "validation failed on silent, watchdog_only" in failure
+
+
+def test_the_shipped_dcgm_counters_carry_every_dcgm_field_the_rules_read() -> None:
+    """dcgm-exporter's default counters leave out the XID count, double-bit ECC, a pending row
+    remap and NVLink errors: a dcgm-only site had no XID or ECC alert."""
+    lines = (MONITORING / "dcgm" / "rlm-counters.csv").read_text().splitlines()
+    rows = [[cell.strip() for cell in line.split(",", 2)] for line in lines]
+    rows = [row for row in rows if row[0] and not row[0].startswith("#")]
+    assert all(len(row) == 3 and row[1] in ("gauge", "counter", "label") for row in rows), rows
+    shipped = {row[0] for row in rows}
+    read = {
+        name
+        for path in RULES
+        for name in re.findall(r"DCGM_(?:FI|EXP)_[A-Z0-9_]+", path.read_text())
+    }
+    # The NVLink totals are selected by one regex in the rules.
+    read |= {
+        f"DCGM_FI_DEV_NVLINK_{kind}_ERROR_COUNT_TOTAL"
+        for kind in ("CRC_FLIT", "CRC_DATA", "REPLAY", "RECOVERY")
+    }
+    read.discard("DCGM_FI_DEV_NVLINK_")
+    # DCGM before 3.3 names the clock event mask CLOCK_THROTTLE_REASONS: the rules read both.
+    assert read - shipped == {"DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"}, read - shipped
+    assert {"DCGM_EXP_XID_ERRORS_COUNT", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"} <= shipped
+    assert {"DCGM_FI_DEV_ROW_REMAP_PENDING", "DCGM_FI_DEV_ROW_REMAP_FAILURE"} <= shipped
+
+
+def test_the_alerting_tunables_are_the_acceptance_thresholds() -> None:
+    """LearningRateJump and RunLogsNotGrowing are rlmctl accept's criteria as alerts: one threshold."""
+    tunables = {
+        rule["record"]: float(re.fullmatch(r"vector\((.+)\)", rule["expr"])[1])
+        for rule in rules()
+        if rule.get("record", "").startswith("rlm:tunable_")
+    }
+    accept = default("rlm_accept_thresholds")
+    assert tunables["rlm:tunable_lr_max_step_change_ratio"] == accept["lr_max_jump"]
+    assert tunables["rlm:tunable_log_max_age_seconds"] == accept["log_max_age_s"]
