@@ -295,9 +295,7 @@ def copy_hostproc(shared_dir: Path) -> Path:
 def worker_pid(rig: Any, host_name: str) -> int | None:
     """The trainer worker (not torchrun's agent) on the node, found as rlm-exporter finds it."""
     out = rig.exec(
-        host_name,
-        ["pgrep", "-f", "-n", f"-m trainer train .*run_dir=.*/{RUN}"],
-        check=False,
+        host_name, ["pgrep", "-f", "--", f"trainer train .*run_dir=.*/{RUN}"], check=False
     ).stdout.split()
     candidates = [int(pid) for pid in out]
     for pid in candidates:
@@ -502,15 +500,21 @@ def stalled_trainer(ctx: Alerting) -> Timing:
 
 def failed_run(ctx: Alerting) -> Timing:
     """A worker killed outright (the OOM killer): torchrun exits non-zero and hostproc records it
-    in hosts/<host>/exit.json; recovery is the resume's `launched` event (a new attempt)."""
+    in hosts/<host>/exit.json. Recovery is what `rlmctl stop` and `rlmctl resume` record first:
+    `stopped` (no process of the run remains), then `launched` (a new attempt)."""
     assert ctx.trainer is not None
     pid = running_worker(ctx)
     run = ctx.trainer.run
+
+    def resume() -> None:
+        assert run.record("stopped", hosts=[ctx.gpu_host])
+        assert run.record("launched", launch="resume", hosts=[ctx.gpu_host])
+
     return page_and_resolve(
         ctx.webhook,
         "RunFailed",
         lambda: ctx.rig.exec(ctx.gpu_host, ["kill", "-KILL", str(pid)]),
-        lambda: run.record("launched", hosts=[ctx.gpu_host]),
+        resume,
         lambda labels: labels.get("run") == RUN,
         DELIVERY_S,
     )
