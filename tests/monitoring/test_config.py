@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -423,3 +424,45 @@ def test_the_alerting_tunables_are_the_acceptance_thresholds() -> None:
     accept = default("rlm_accept_thresholds")
     assert tunables["rlm:tunable_lr_max_step_change_ratio"] == accept["lr_max_jump"]
     assert tunables["rlm:tunable_log_max_age_seconds"] == accept["log_max_age_s"]
+
+
+def test_the_gpu_exporter_role_plans_dcgm_exporter_with_the_shipped_counters(
+    tmp_path: Path,
+) -> None:
+    """No NVIDIA package or GPU here: check mode plans the counters file and the unit's drop-in
+    (the collectors and a 15-minute XID window, the rules' window) on an NVIDIA host."""
+    from tests.ansible.playbook_run import FAKE_VENDOR_BIN, run_playbook, write_inventory
+
+    playbook = tmp_path / "gpu-exporter.yml"
+    play = {"name": "GPU exporter", "hosts": "compute", "gather_facts": False}
+    playbook.write_text(yaml.safe_dump([{**play, "roles": ["gpu_exporter"]}]))
+    host = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "rlm_gpu_vendor": "nvidia",
+        "rlm_gpus_per_node": 8,
+        "rlm_init_system": "systemd",
+        "gpu_detect_module_dirs": {"nvidia": "/sys/module/kernel"},
+    }
+    inventory = write_inventory(
+        tmp_path / "hosts.yml", {"all": {"children": {"compute": {"hosts": {"gpu1": host}}}}}
+    )
+    run = run_playbook(
+        playbook,
+        inventory,
+        tmp_path,
+        check=True,
+        env={"PATH": f"{FAKE_VENDOR_BIN}:{os.environ['PATH']}"},
+    )
+    # Check mode cannot install a package from a repository it has not written, nor start the
+    # service it would bring: the role ignores both there.
+    ignored = ("Install the exporter packages", "Enable and start the exporter services")
+    failures = [f for f in run.failures("gpu1") if not any(task in f for task in ignored)]
+    assert failures == [], failures
+    dropin = run.task("gpu1", "Run the exporter with them and a 15-minute XID window")
+    diff = dropin.result["diff"]
+    after = "".join(d.get("after", "") for d in (diff if isinstance(diff, list) else [diff]))
+    assert "ExecStart=\nExecStart=/usr/bin/dcgm-exporter --collectors " in after
+    assert "/etc/dcgm-exporter/rlm-counters.csv --xid-count-window-size 900000" in after
+    counters = run.task("gpu1", "Install the collectors (XID count, ECC, row remap, NVLink errors)")
+    assert counters.changed and not (tmp_path / "etc").exists()
