@@ -202,19 +202,24 @@ def test_hanging_tool_counts_errors_drops_gpu_series_and_keeps_serving(
     wait_for(lambda: value(scrape(port), GPU_SERIES, gpu="0") == 71, what="recovery")
 
 
+def scrape_after_errors(port: int, source: str, at_least: int):
+    """The first scrape that counts at least `at_least` errors of `source`."""
+    return wait_for(
+        lambda: (
+            (s := scrape(port))
+            and (value(s, "rlm_exporter_errors_total", source=source) or 0) >= at_least
+            and s
+        ),
+        what=f"{at_least} {source} errors",
+    )
+
+
 def test_garbage_printing_tool_counts_errors_and_exports_no_gpu_series(
     tool_bin, run_exporter
 ) -> None:
     install_tool(tool_bin, "rocm-smi", "echo 'ERROR: rocm_smi_lib: driver not initialized'")
     port = run_exporter("--gpu-source", "rocm-smi", "--interval", "0.3")
-    samples = wait_for(
-        lambda: (
-            (s := scrape(port))
-            and (value(s, "rlm_exporter_errors_total", source="rocm-smi") or 0) >= 2
-            and s
-        ),
-        what="repeated rocm-smi errors",
-    )
+    samples = scrape_after_errors(port, "rocm-smi", 2)
     assert not any(name.startswith("rlm_gpu_") for name in names(samples))
     assert value(samples, "rlm_exporter_source_up", source="rocm-smi") == 0
     assert value(samples, "rlm_exporter_gpu_source_info", source="rocm-smi") == 1
@@ -337,14 +342,7 @@ def test_unreadable_or_malformed_run_files_are_counted_and_exported(tmp_path, ru
         "--run-root", str(runs), "--run-dir", str(elsewhere.path),
         "--interval", "0.5", "--gpu-source", "none",
     )  # fmt: skip
-    samples = wait_for(
-        lambda: (
-            (s := scrape(port))
-            and (value(s, "rlm_exporter_errors_total", source="rundir") or 0) >= 2
-            and s
-        ),
-        what="rundir errors for both runs",
-    )
+    samples = scrape_after_errors(port, "rundir", 2)  # both runs
     assert value(samples, "rlm_run_unreadable", run="garbled", file="status.json") == 1
     assert value(samples, "rlm_run_unreadable", run="locked", file="events.jsonl") == 1
     assert value(samples, "rlm_run_unreadable", run="good", file="status.json") is None
@@ -359,12 +357,7 @@ def test_a_run_root_that_cannot_be_listed_takes_the_source_down(tmp_path, run_ex
     runs = tmp_path / "runs"
     runs.write_text("not a directory")  # listing it fails, as a lost mount's EIO does
     port = run_exporter("--run-root", str(runs), "--interval", "0.5", "--gpu-source", "none")
-    samples = wait_for(
-        lambda: (
-            (s := scrape(port)) and value(s, "rlm_exporter_errors_total", source="rundir") and s
-        ),
-        what="rundir error",
-    )
+    samples = scrape_after_errors(port, "rundir", 1)
     assert value(samples, "rlm_exporter_source_up", source="rundir") == 0
 
 

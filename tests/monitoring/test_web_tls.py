@@ -166,6 +166,16 @@ def start(argv: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
 
 
+def start_prometheus(config: Path, tmp: Path, port: int, web_config: str) -> subprocess.Popen:
+    """The real Prometheus on loopback with a web configuration; its data and log under `tmp`."""
+    argv = [
+        shutil.which("prometheus"), f"--config.file={config}",
+        f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+        f"--web.config.file={web_config}",
+    ]  # fmt: skip
+    return start(argv, tmp / "prometheus.log")
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("web-tls")
@@ -233,14 +243,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ],
         tmp / "alertmanager.log",
     )  # fmt: skip
-    prometheus = start(
-        [
-            shutil.which("prometheus"), f"--config.file={prometheus_yml}",
-            f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{prometheus_port}",
-            f"--web.config.file={web_config}",
-        ],
-        tmp / "prometheus.log",
-    )  # fmt: skip
+    prometheus = start_prometheus(prometheus_yml, tmp, prometheus_port, web_config)
     stack = Stack(
         f"https://localhost:{prometheus_port}", f"https://localhost:{alertmanager_port}",
         ca, wrong_ca, web_dir, prometheus_yml, output,
@@ -384,14 +387,8 @@ def test_basic_auth_is_on_by_default_with_a_login_generated_once(tmp_path: Path)
     assert (host.monitoring_username, host.monitoring_password) == (user, password)
 
     port = free_port()
-    prometheus = start(
-        [
-            shutil.which("prometheus"), f"--config.file={ROOT / 'monitoring/prometheus/prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-            f"--web.config.file={web_dir / 'web-config.yml'}",
-        ],
-        tmp_path / "prometheus.log",
-    )  # fmt: skip
+    shipped = ROOT / "monitoring/prometheus/prometheus.yml"
+    prometheus = start_prometheus(shipped, tmp_path, port, str(web_dir / "web-config.yml"))
     try:
         url = f"http://127.0.0.1:{port}/api/v1/status/buildinfo"
         wait_for(
