@@ -293,15 +293,18 @@ def copy_hostproc(shared_dir: Path) -> Path:
 
 
 def worker_pid(rig: Any, host_name: str) -> int | None:
-    """The trainer worker (not torchrun's agent) on the node, found as rlm-exporter finds it."""
-    out = rig.exec(
+    """The trainer worker on the node: the child of torchrun's agent that runs the trainer (not
+    the agent, not the worker's own children such as data loaders, which share its command line)."""
+    pids = rig.exec(
         host_name, ["pgrep", "-f", "--", f"trainer train .*run_dir=.*/{RUN}"], check=False
     ).stdout.split()
-    candidates = [int(pid) for pid in out]
-    for pid in candidates:
+    for pid in pids:
+        stat = rig.exec(host_name, ["cat", f"/proc/{pid}/stat"], check=False).stdout
+        parent = stat.rsplit(")", 1)[-1].split()[1] if stat else ""
         argv = rig.exec(host_name, ["cat", f"/proc/{pid}/cmdline"], check=False).stdout
-        if "torch.distributed.run" not in argv and "torchrun" not in argv:
-            return pid
+        agent = rig.exec(host_name, ["cat", f"/proc/{parent}/cmdline"], check=False).stdout
+        if "torch.distributed.run" in agent and "torch.distributed.run" not in argv:
+            return int(pid)
     return None
 
 
@@ -400,7 +403,7 @@ def wait(condition: Callable[[], Any], timeout_s: float, what: str | Callable[[]
 
 
 def page_and_resolve(
-    webhook: WebhookReceiver,
+    ctx: Alerting,
     name: str,
     fault: Callable[[], None],
     recover: Callable[[], None] | None,
@@ -408,17 +411,31 @@ def page_and_resolve(
     timeout_s: float,
 ) -> Timing:
     """Inject `fault`, time its firing notification `name` (the first matching one) at the
-    webhook; then `recover` and time the resolved notification of the same alert."""
+    webhook; then `recover` (also when the page never came) and time the resolved notification
+    of the same alert. An alert already active in Alertmanager is waited out first: its next
+    notification would only come at the repeat interval."""
+    webhook = ctx.webhook
+
+    def active() -> list[dict[str, Any]]:
+        found = ctx.alertmanager.get("/api/v2/alerts", filter=f'alertname="{name}"')
+        return [a for a in found if match(a["labels"])]
+
+    wait(lambda: not active(), timeout_s, lambda: f"no {name} active before the fault: {active()}")
     faulted = time.monotonic()
     fault()
-    at, alert = wait(
-        lambda: next(
-            ((t, a) for t, a in webhook.alerts(name, "firing", faulted) if match(a["labels"])),
-            None,
-        ),
-        timeout_s,
-        f"{name} firing at the webhook",
-    )
+    try:
+        at, alert = wait(
+            lambda: next(
+                ((t, a) for t, a in webhook.alerts(name, "firing", faulted) if match(a["labels"])),
+                None,
+            ),
+            timeout_s,
+            lambda: f"{name} firing at the webhook; Prometheus has {prometheus_alerts(ctx, name)}",
+        )
+    except AssertionError:
+        if recover is not None:
+            recover()
+        raise
     resolved_s = None
     if recover is not None:
         recovered = time.monotonic()
@@ -445,7 +462,7 @@ DELIVERY_S = 90  # a fault reaches the webhook within this (scaled durations, a 
 
 def xid_in_the_kernel_log(ctx: Alerting) -> Timing:
     return page_and_resolve(
-        ctx.webhook,
+        ctx,
         "GpuXidCritical",
         lambda: write_kernel_log(XID_LINE),
         None,  # an XID stays news for its 15-minute window
@@ -459,14 +476,21 @@ def xid_in_the_kernel_log(ctx: Alerting) -> Timing:
 
 
 def lost_gpu(ctx: Alerting) -> Timing:
+    """GPU 3 off the bus while the host's run is training (its alert carries the run)."""
+    running_worker(ctx)
     return page_and_resolve(
-        ctx.webhook,
+        ctx,
         "GpuMissing",
         lambda: set_gpu_lost(ctx.rig, ctx.gpu_host, True),
         lambda: set_gpu_lost(ctx.rig, ctx.gpu_host, False),
         lambda labels: labels.get("host") == ctx.gpu_host,
         DELIVERY_S,
     )
+
+
+def prometheus_alerts(ctx: Alerting, name: str) -> list[tuple[dict[str, str], str]]:
+    found = ctx.prometheus.get("/api/v1/alerts")["data"]["alerts"]
+    return [(a["labels"], a["state"]) for a in found if a["labels"]["alertname"] == name]
 
 
 def running_worker(ctx: Alerting) -> int:
@@ -489,7 +513,7 @@ def running_worker(ctx: Alerting) -> int:
 def stalled_trainer(ctx: Alerting) -> Timing:
     pid = running_worker(ctx)
     return page_and_resolve(
-        ctx.webhook,
+        ctx,
         "TrainingStalled",
         lambda: ctx.rig.exec(ctx.gpu_host, ["kill", "-STOP", str(pid)]),
         lambda: ctx.rig.exec(ctx.gpu_host, ["kill", "-CONT", str(pid)]),
@@ -511,7 +535,7 @@ def failed_run(ctx: Alerting) -> Timing:
         assert run.record("launched", launch="resume", hosts=[ctx.gpu_host])
 
     return page_and_resolve(
-        ctx.webhook,
+        ctx,
         "RunFailed",
         lambda: ctx.rig.exec(ctx.gpu_host, ["kill", "-KILL", str(pid)]),
         resume,
@@ -522,7 +546,7 @@ def failed_run(ctx: Alerting) -> Timing:
 
 def stopped_exporter(ctx: Alerting, host: str) -> Timing:
     return page_and_resolve(
-        ctx.webhook,
+        ctx,
         "TargetDown",
         lambda: ctx.rig.exec(host, ["systemctl", "stop", "rlm-exporter"]),
         lambda: ctx.rig.exec(host, ["systemctl", "start", "rlm-exporter"]),
