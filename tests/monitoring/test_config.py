@@ -116,6 +116,20 @@ def test_every_alert_has_a_firing_and_a_silent_unit_test() -> None:
     assert names - silent == {"Watchdog"}, "alerts without a test where they must not fire"
 
 
+def test_every_critical_meta_alert_waits_out_a_blip() -> None:
+    """A critical alert about the monitoring itself pages on a failure that lasts, not on one
+    failed evaluation or notification (the blip cases in tests/meta.yml time each `for:`)."""
+    meta = yaml.safe_load((MONITORING / "prometheus" / "rules" / "meta.yml").read_text())
+    critical = [
+        rule
+        for group in meta["groups"]
+        for rule in group["rules"]
+        if rule.get("labels", {}).get("severity") == "critical"
+    ]
+    assert len(critical) >= 5
+    assert [r["alert"] for r in critical if not r.get("for")] == []
+
+
 def write_inventory(path: Path) -> Path:
     path.write_text(
         yaml.safe_dump(
