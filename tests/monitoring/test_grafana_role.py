@@ -143,3 +143,40 @@ def test_tls_and_basic_auth_reach_the_datasource_and_stay_out_of_the_output(
         "basicAuthPassword": "pw-for-the-test",
     }
     assert "pw-for-the-test" not in json.dumps(result.report) + result.stderr
+
+
+def test_the_first_run_gives_grafana_the_login_it_generates(tmp_path: Path) -> None:
+    """No rlm_monitoring_* setting: the run that generates the login (monitoring_web, in the
+    Prometheus and Alertmanager play) hands it to Grafana's play in the same run, before Ansible
+    ever read the new group_vars file; a Grafana without it would get 401 from Prometheus."""
+    root = tmp_path / "root"
+    playbook = tmp_path / "monitoring.yml"
+    plays = [
+        {"name": "Web", "hosts": "mgmt", "gather_facts": False, "roles": ["monitoring_web"]},
+        {"name": "Grafana", "hosts": "mgmt", "gather_facts": False, "roles": ["grafana"]},
+    ]
+    playbook.write_text(yaml.safe_dump(plays))
+    host = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        **provisioning_vars(root),
+        "grafana_install_package": False,
+        "rlm_os_family": "Debian",
+        "monitoring_web_dir": str(root / "web"),
+        "monitoring_web_group": "root",
+    }
+    del host["grafana_prometheus_url"]  # the role's own
+    inventory = {"all": {"children": {"mgmt": {"hosts": {"mon": host}}}}}
+    result = run_playbook(playbook, write_inventory(tmp_path / "hosts.yml", inventory), tmp_path)
+    assert result.rc == 0 and not result.failures("mon"), (result.failures("mon"), result.stderr)
+    generated = yaml.safe_load(
+        (tmp_path / "group_vars/all/rlm-monitoring-credentials.yml").read_text()
+    )
+    [source] = yaml.safe_load((root / "provisioning/datasources/rlm-ops.yml").read_text())[
+        "datasources"
+    ]
+    assert source["url"] == "http://mon:9090"
+    assert source["basicAuth"] is True
+    assert source["basicAuthUser"] == generated["rlm_monitoring_username"] == "rlm-ops"
+    assert source["secureJsonData"] == {"basicAuthPassword": generated["rlm_monitoring_password"]}
+    assert generated["rlm_monitoring_password"] not in json.dumps(result.report) + result.stderr
