@@ -6,7 +6,8 @@ pointed at a webhook on this machine, every shipped duration divided by SCALE
 (tests/monitoring/alerting_site.py), a tiny training run on node2; then the faults in turn, each
 timed at the webhook. Prints one row per fault and the Watchdog's cadence.
 
-    sudo .venv/bin/python bench/alerting.py   # about 15 minutes; uses RLM_RIG_ID, slot 4
+    sudo .venv/bin/python bench/alerting.py   # ~25 min at load 20; RLM_RIG_ID, slot 4 (the Slurm
+                                              # module's: not while it runs under that id)
 """
 
 from __future__ import annotations
@@ -76,9 +77,12 @@ def main() -> int:
     for timing in timings:
         resolved = f"{timing.resolved_s:.1f} s" if timing.resolved_s is not None else "-"
         print(f"{timing.alert:22s} {timing.page_s:12.1f} s {resolved:>21s}")
+    period = 300 / site.SCALE
+    off = [gap for gap in gaps if abs(gap - period) > 30 / site.SCALE]
     print(
         f"Watchdog: {len(gaps)} gaps, median {statistics.median(gaps):.2f} s, "
-        f"{min(gaps):.2f}-{max(gaps):.2f} s (shipped 300 s / {site.SCALE} = {300 / site.SCALE:g} s)"
+        f"{min(gaps):.2f}-{max(gaps):.2f} s (shipped 300 s / {site.SCALE} = {period:g} s); "
+        f"{len(off)} off by more than the scaled 30 s: {', '.join(f'{g:.2f}' for g in off) or '-'}"
     )
     return 0
 
