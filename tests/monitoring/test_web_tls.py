@@ -127,14 +127,17 @@ class Stack:
     role_output: str
 
 
-def run_monitoring_web(tmp: Path, host_vars: dict) -> tuple[str, Path]:
-    """The monitoring_web role for real on this machine; its whole output and its directory."""
-    playbook = tmp / "web.yml"
-    playbook.write_text(
-        yaml.safe_dump(
-            [{"name": "Web", "hosts": "mgmt", "gather_facts": False, "roles": ["monitoring_web"]}]
+def run_monitoring_web(tmp: Path, host_vars: dict, grafana: dict | None = None) -> tuple[str, Path]:
+    """The monitoring_web role for real on this machine; its whole output and its directory.
+    With `grafana` (the grafana role's variables), a Grafana play follows, as in monitoring.yml."""
+    plays = [{"name": "Web", "hosts": "mgmt", "gather_facts": False, "roles": ["monitoring_web"]}]
+    if grafana is not None:
+        plays.append(
+            {"name": "Grafana", "hosts": "mgmt", "gather_facts": False, "roles": ["grafana"]}
         )
-    )
+        host_vars = {**host_vars, **grafana}
+    playbook = tmp / "web.yml"
+    playbook.write_text(yaml.safe_dump(plays))
     web_dir = tmp / "web"
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     inventory = {
@@ -365,9 +368,18 @@ def test_rlmctl_accept_queries_prometheus_with_the_inventory_ca_and_login(
 
 def test_basic_auth_is_on_by_default_with_a_login_generated_once(tmp_path: Path) -> None:
     """No rlm_monitoring_* setting at all: the role generates a login on the controller into the
-    inventory's group_vars/all/ (mode 0600, no secret in the output), serves with it, keeps it on
-    the next run (nothing changes), and rlmctl reads the same login from the inventory."""
-    first_output, web_dir = run_monitoring_web(tmp_path, {})
+    inventory's group_vars/all/ (mode 0600, no secret in the output), serves with it, hands it to
+    Grafana's play in the same run (before Ansible ever read the new file), keeps it on the next
+    run (nothing changes), and rlmctl reads the same login from the inventory."""
+    grafana = tmp_path / "grafana"
+    grafana_vars = {
+        "grafana_provisioning_dir": str(grafana / "provisioning"),
+        "grafana_dashboards_dir": str(grafana / "dashboards"),
+        "grafana_group": "root",
+        "grafana_install_package": False,
+        "rlm_os_family": "Debian",
+    }
+    first_output, web_dir = run_monitoring_web(tmp_path, {}, grafana_vars)
     credentials = tmp_path / "group_vars" / "all" / "rlm-monitoring-credentials.yml"
     assert credentials.stat().st_mode & 0o777 == 0o600
     generated = yaml.safe_load(credentials.read_text())
@@ -378,6 +390,11 @@ def test_basic_auth_is_on_by_default_with_a_login_generated_once(tmp_path: Path)
     assert bcrypt.checkpw(password.encode(), web["basic_auth_users"][user].encode())
     assert (web_dir / "password").read_text() == password
     assert password not in first_output and web["basic_auth_users"][user] not in first_output
+    datasources = yaml.safe_load((grafana / "provisioning/datasources/rlm-ops.yml").read_text())
+    [source] = datasources["datasources"]
+    assert source["url"] == "http://mgmt1:9090"  # the mgmt host's address (its name here)
+    assert (source["basicAuth"], source["basicAuthUser"]) == (True, user)
+    assert source["secureJsonData"] == {"basicAuthPassword": password}
 
     second_output, _ = run_monitoring_web(tmp_path, {})
     assert yaml.safe_load(credentials.read_text()) == generated
