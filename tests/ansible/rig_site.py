@@ -31,7 +31,7 @@ def build_wheelhouse(out: Path) -> Path:
     src.mkdir(parents=True)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
-    for package in ("trainer", "rlmctl", "monitoring", "clusterspec"):
+    for package in ("runcontract", "trainer", "rlmctl", "monitoring", "clusterspec"):
         shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     out.mkdir(parents=True, exist_ok=True)
     subprocess.run(

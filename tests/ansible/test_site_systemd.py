@@ -26,8 +26,8 @@ import paramiko
 import pytest
 
 from rlmctl import accept, hostproc
+from rlmctl.backend_ssh import host_start_config
 from rlmctl.inventory import load as load_inventory
-from rlmctl.launch import host_start_config
 from tests.ansible.playbook_run import PlaybookRun, run_playbook, write_inventory
 from tests.ansible.rig_site import connect, connect_from_real_host
 from tests.ansible.systemd_site import SLICE_LIMITS, build_offline_stacks, site_inventory

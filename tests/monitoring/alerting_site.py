@@ -32,11 +32,14 @@ from typing import Any
 import yaml
 
 from rlmctl import hostproc
+from rlmctl.backend_ssh import host_start_config, trainer_argv
 from rlmctl.inventory import load as load_inventory
-from rlmctl.launch import host_start_config, resolve_config, trainer_argv
+from rlmctl.lifecycle import resolve_config
+from runcontract.config import dump_yaml
+from runcontract.rundir import RunDir
+from runcontract.states import EventKind
 from tests.ansible.playbook_run import PlaybookRun, run_playbook, write_inventory
 from tests.monitoring.conftest import FIXTURES, STANDIN_NVIDIA_SMI
-from trainer.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 SCALE = 30  # every shipped duration divided by this: 5 minutes -> 10 s
@@ -270,8 +273,8 @@ def start_trainer(
     run = RunDir(Path(host.shared_dir) / "runs" / RUN).create()
     overrides = [f"data.path={data}", *TRAINER_OVERRIDES]
     config = REPO / "trainer" / "configs" / "tiny.yaml"
-    run.config_path.write_text(resolve_config(config, overrides, run.path, 1))
-    run.record("launched", hosts=[host_name])
+    run.config_path.write_text(dump_yaml(resolve_config(config, overrides, run.path, 1)))
+    run.record(EventKind.LAUNCHED, launch="launch", hosts=[host_name])
     argv = trainer_argv(host, [host], run, f"{RUN}-{time.time_ns()}", overrides)
     cfg = host_start_config(host, run, argv)
     Path(cfg["exit_file"]).parent.mkdir(parents=True, exist_ok=True)
