@@ -68,13 +68,17 @@ def inventory_cmd(ctx: typer.Context, json_output: JsonOpt = False) -> None:
     with Context(_site(ctx), readonly=True) as session:
         hosts = session.hosts
         source = str(session.inventory.source)
+        # Where SSH goes for each host, as `ssh` resolves it for Ansible (None: local).
+        routes = {h.name: None if h.is_local else session.fleet.endpoint(h) for h in hosts}
         if json_output:
             groups = session.inventory.groups
-            render.emit_json(
-                {"source": source, "groups": groups, "hosts": [h.as_dict() for h in hosts]}
-            )
+            rows = [
+                h.as_dict() | {"ssh": routes[h.name].as_dict() if routes[h.name] else None}
+                for h in hosts
+            ]
+            render.emit_json({"source": source, "groups": groups, "hosts": rows})
         else:
-            render.inventory(source, hosts)
+            render.inventory(source, hosts, routes)
 
 
 @app.command()

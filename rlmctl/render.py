@@ -61,15 +61,14 @@ def _table(title: str, columns: tuple[str, ...]) -> Any:
 
 
 # inventory / health -------------------------------------------------------------------------------
-def inventory(source: str, hosts: list[Any]) -> None:
-    columns = ("host", "address", "user", "connection", "groups", "gpus", "shared dir")
+def inventory(source: str, hosts: list[Any], routes: dict[str, Any]) -> None:
+    columns = ("host", "ssh", "groups", "gpus", "shared dir")
     table = _table(f"{len(hosts)} host(s) from {source}", columns)
     for h in hosts:
+        route = routes.get(h.name)
         table.add_row(
             h.name,
-            f"{h.address}:{h.port}",
-            h.user or "",
-            h.connection,
+            route.describe() if route else "local",
             ",".join(h.groups),
             f"{h.gpus_per_node} {h.gpu_vendor}",
             h.shared_dir,

@@ -62,9 +62,19 @@ def test_yaml_inventory_resolves_connection_and_bundle_variables(tmp_path: Path)
     gpu1, gpu2 = hosts["gpu1"], hosts["gpu2"]
     assert (gpu1.address, gpu1.port, gpu1.user) == ("10.0.0.1", 2201, "ops")
     assert gpu2.port == 22 and gpu2.gpus_per_node == 4 and gpu1.gpus_per_node == 8
-    assert gpu1.key_file == str(tmp_path / "keys/id_ed25519")  # relative to the inventory
-    assert gpu1.known_hosts_file == str(tmp_path / "known_hosts")
-    assert gpu1.strict_host_key_checking == "yes"
+    # What Ansible's ssh connection passes to `ssh` (the key relative to the inventory).
+    assert gpu1.ssh_args[-10:] == (
+        "-o",
+        "Port=2201",
+        "-o",
+        f"IdentityFile={tmp_path / 'keys/id_ed25519'}",
+        "-o",
+        "User=ops",
+        "-o",
+        f"UserKnownHostsFile={tmp_path}/known_hosts",
+        "-o",
+        "StrictHostKeyChecking=yes",
+    )
     assert gpu1.comm_env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth0"}
     assert (gpu1.gpu_vendor, gpu1.shared_dir, gpu1.python) == (
         "amd",
@@ -128,17 +138,6 @@ def test_drained_hosts_auto_vendor_and_busbw_floor(tmp_path: Path) -> None:
     path.write_text("all:\n  hosts: {n1: {rlm_gpu_vendor: intel}}\n")
     with pytest.raises(InventoryError, match="rlm_gpu_vendor must be one of"):
         inventory.load(path)
-
-
-def test_ssh_options_from_common_args() -> None:
-    options = inventory.ssh_options(
-        "-o UserKnownHostsFile=/k -oStrictHostKeyChecking=no -o 'ProxyJump bastion'"
-    )
-    assert options == {
-        "userknownhostsfile": "/k",
-        "stricthostkeychecking": "no",
-        "proxyjump": "bastion",
-    }
 
 
 def test_cli_inventory_json_and_unknown_limit_host(tmp_path: Path) -> None:
