@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -224,9 +225,36 @@ class Inventory:
 
 @contextlib.contextmanager
 def _quiet() -> Any:
-    """Ansible prints warnings while it parses; we turn failures into one-line errors instead."""
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        yield
+    """Ansible prints warnings while it parses; we turn failures into one-line errors instead
+    (the captured warnings, yielded, say why a source failed to parse)."""
+    captured = io.StringIO()
+    with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(io.StringIO()):
+        yield captured
+
+
+PARSE_FAILURE = re.compile(r"Failed to parse inventory with '(\w+)' plugin: (.+)")
+ORIGIN = re.compile(r"^Origin: (.+):(\d+):(\d+)$", re.MULTILINE)
+
+
+def _parse_failure(warnings: str, source: Path) -> str | None:
+    """Why Ansible could not parse `source`, from its warnings: the reason of the plugin that
+    reads files of its kind (yaml for .yml/.yaml, ini otherwise), with the line and column."""
+    if source.is_dir():
+        wanted: tuple[str, ...] = ("yaml", "auto", "ini")
+    else:
+        wanted = ("yaml", "auto") if source.suffix in (".yml", ".yaml") else ("ini",)
+    for block in re.split(r"\[WARNING\]: ", warnings):
+        match = PARSE_FAILURE.search(block)
+        if match is None or match.group(1) not in wanted:
+            continue
+        reason = match.group(2).strip().rstrip(".")
+        origin = ORIGIN.search(block)
+        where = f" (line {origin.group(2)}, column {origin.group(3)})" if origin else ""
+        if "duplicate mapping key" in reason:
+            reason += f"{where}: a host, group or variable is given twice; keep one"
+            where = ""
+        return reason + where
+    return None
 
 
 def _first_reason(error: Exception) -> str:
@@ -248,14 +276,17 @@ def load(source: str | Path) -> Inventory:
     os.environ.setdefault("ANSIBLE_INVENTORY_UNPARSED_FAILED", "true")
     os.environ.setdefault("ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED", "true")
     os.environ.setdefault("ANSIBLE_LOCALHOST_WARNING", "false")
+    # A key given twice in one YAML mapping (a host defined twice) keeps only the last: refuse.
+    os.environ.setdefault("ANSIBLE_DUPLICATE_YAML_DICT_KEY", "error")
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
     from ansible.vars.manager import VariableManager
 
     loader = DataLoader()
+    warnings = io.StringIO()
     try:
-        with _quiet():
+        with _quiet() as warnings:
             manager = InventoryManager(loader=loader, sources=[str(source)])
             variables = VariableManager(loader=loader, inventory=manager)
             ssh = SshSettings()
@@ -263,8 +294,9 @@ def load(source: str | Path) -> Inventory:
                 h.name: _host(h, variables, loader, source, ssh) for h in manager.get_hosts("all")
             }
     except AnsibleError as error:
+        reason = _parse_failure(warnings.getvalue(), source) or _first_reason(error)
         raise InventoryError(
-            f"cannot load inventory {source}: {_first_reason(error)}; "
+            f"cannot load inventory {source}: {reason}; "
             f"check it with `ansible-inventory -i {source} --graph`"
         ) from None
     if not hosts:

@@ -95,17 +95,55 @@ class RunData:
 
     @classmethod
     def load(cls, run_dir: RunDir) -> RunData:
-        records = run_dir.read_metrics() if run_dir.metrics_path.exists() else []
+        records = read_records(run_dir.metrics_path)
         return cls(
             train=[r for r in records if r.get("kind") == "train"],
             val=[r for r in records if r.get("kind") == "val"],
-            events=run_dir.read_events() if run_dir.events_path.exists() else [],
+            events=read_records(run_dir.events_path),
             run_dir=run_dir,
         )
 
     def start(self) -> dict[str, Any]:
         starts = [e for e in self.events if e.get("event") == EventKind.START]
         return starts[-1] if starts else {}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file of the run directory, checked: a last line without its
+    newline is a writer still busy (skipped); anything else that is not a JSON object (binary
+    garbage, another file copied over it) is a one-line error naming the file and line."""
+    from rlmctl.errors import RlmctlError
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as error:
+        raise RlmctlError(f"cannot read {path}: {error.strerror}") from None
+    lines = data.split(b"\n")
+    records = []
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        torn = number == len(lines)  # no newline after it yet
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            problem = "is not text (not UTF-8)"
+        except ValueError:
+            if torn:
+                continue
+            problem = "is not JSON"
+        else:
+            if isinstance(record, dict):
+                records.append(record)
+                continue
+            problem = f"is a JSON {type(record).__name__}, not a record"
+        raise RlmctlError(
+            f"{path} is not JSON lines as the trainer writes them: line {number} {problem}; "
+            "restore the file, or move it aside (accept then has no data from it)"
+        )
+    return records
 
 
 def _number(value: Any) -> float | None:

@@ -265,3 +265,22 @@ def test_cpu_run_marks_gpu_criteria_not_applicable_even_without_prometheus() -> 
     criteria = accept.prometheus_criteria(None, "r", 60, LIMITS, cpu=True)
     assert [c.verdict for c in criteria] == [accept.NA, accept.NA, accept.NO_DATA, accept.NO_DATA]
     assert criteria[0].reason == "CPU run: no GPU or RDMA link"
+
+
+def test_cli_accept_on_a_binary_garbage_metrics_file_is_one_line(local_inventory: Path) -> None:
+    """Reported: a metrics.jsonl of binary garbage gave a traceback. Now one line naming the
+    file, exit 2, and nothing of the run directory touched."""
+    shared = local_inventory.parent / "shared"
+    run_dir = make_run(shared / "runs" / "garbage")
+    run_dir.config_path.write_text("checkpoint: {interval_steps: 100}\n")
+    garbage = bytes(range(256)) * 64 + b"\n\x00\xff\xfe{not json\n"
+    run_dir.metrics_path.write_bytes(garbage)
+    assert rlmctl("-i", str(local_inventory), "reindex").returncode == 0
+    result = rlmctl("-i", str(local_inventory), "accept", "garbage")
+    assert_one_line_error(result, 2, str(run_dir.metrics_path), "not JSON lines")
+    assert run_dir.metrics_path.read_bytes() == garbage
+    assert not (run_dir.path / "acceptance.md").exists()
+    # A file of JSON values that are not records (a list per line) is refused the same way.
+    run_dir.metrics_path.write_text("[1, 2]\n[3, 4]\n")
+    result = rlmctl("-i", str(local_inventory), "accept", "garbage")
+    assert_one_line_error(result, 2, str(run_dir.metrics_path), "line 1")

@@ -173,3 +173,17 @@ def test_cli_starts_without_heavy_imports() -> None:
     code = "import sys, rlmctl.cli; print(sorted(m for m in ('torch', 'ansible', 'fabric') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_host_defined_twice_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Reported: a host defined twice in one YAML mapping silently took the second definition
+    (a duplicate key, which YAML loaders keep the last of)."""
+    path = tmp_path / "hosts.yml"
+    path.write_text(
+        "all:\n  children:\n    compute:\n      hosts:\n"
+        "        gpu01:\n          ansible_host: 10.0.0.1\n"
+        "        gpu02:\n          ansible_host: 10.0.0.2\n"
+        "        gpu01:\n          ansible_host: 10.0.0.3\n"
+    )
+    result = rlmctl("-i", str(path), "inventory")
+    assert_one_line_error(result, 2, "gpu01", str(path))
