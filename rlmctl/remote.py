@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import shlex
 import socket
 import subprocess
@@ -217,7 +218,7 @@ class Fleet:
         through a `direct-tcpip` channel of its jump host's connection (one connection per jump
         host, shared by every host behind it)."""
         import paramiko
-        from fabric import Config, Connection
+        from fabric import Config
 
         with self._lock:
             if self._fabric_config is None:
@@ -235,7 +236,7 @@ class Fleet:
         sock = self._socket(endpoint)
         if sock is not None:
             connect_kwargs["sock"] = sock
-        connection = Connection(
+        connection = _connection_class()(
             endpoint.hostname,
             user=endpoint.login,
             port=endpoint.port,
@@ -361,6 +362,23 @@ def _text(data: bytes | str | None) -> str:
     if isinstance(data, bytes):
         return data.decode(errors="replace")
     return data or ""
+
+
+@functools.cache
+def _connection_class() -> Any:
+    """Fabric's Connection, safe to make and use from many threads over one Config.
+
+    Connection.__init__ assigns `inline_ssh_env`, which is no attribute of its class, so invoke
+    stores it into the shared Config as a modification and re-merges that Config from empty:
+    another thread reading it meanwhile got "No attribute or config key found for 'gateway'"
+    (seen in bench/fanout.py at 16 hosts). A class attribute makes the assignment an ordinary
+    instance attribute."""
+    from fabric import Connection
+
+    class SharedConfigConnection(Connection):  # type: ignore[misc]
+        inline_ssh_env = None
+
+    return SharedConfigConnection
 
 
 def _first_line(error: Exception) -> str:
