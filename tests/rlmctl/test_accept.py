@@ -155,7 +155,8 @@ def test_logs_present_and_growing(tmp_path: Path) -> None:
 def test_nonfinite_steps(tmp_path: Path) -> None:
     assert judge(make_run(tmp_path / "a"), accept.nonfinite_steps).verdict == accept.PASS
     result = judge(make_run(tmp_path / "b", nonfinite=2), accept.nonfinite_steps)
-    assert result.verdict == accept.FAIL and result.measured == "2"
+    assert result.verdict == accept.FAIL and result.measured == "2 steps"
+    assert (result.value, result.unit, result.limit) == (2, "steps", 0)
 
 
 def test_a_run_without_metrics_yet_is_no_data_never_a_traceback(tmp_path: Path) -> None:
@@ -284,3 +285,22 @@ def test_cli_accept_on_a_binary_garbage_metrics_file_is_one_line(local_inventory
     run_dir.metrics_path.write_text("[1, 2]\n[3, 4]\n")
     result = rlmctl("-i", str(local_inventory), "accept", "garbage")
     assert_one_line_error(result, 2, str(run_dir.metrics_path), "line 1")
+
+
+def test_a_plain_health_run_keeps_the_deep_record(local_inventory: Path) -> None:
+    """Reported: `rlmctl health` after `health --deep` replaced the one record accept reads, and
+    the communication path became NO DATA. The deep record is kept apart."""
+    from rlmctl import health
+
+    shared = local_inventory.parent / "shared"
+    run_dir = make_run(shared / "runs" / "kept")
+    run_dir.config_path.write_text("checkpoint: {interval_steps: 100}\n")
+    assert rlmctl("-i", str(local_inventory), "reindex").returncode == 0
+    deep = {"ok": True, "problems": [], "comm_path": {"localhost": {"summary": "NET/IB x8"}}}
+    health.save_last_report({"state": "OK", "hosts": [], "deep": deep}, str(shared))
+    assert rlmctl("-i", str(local_inventory), "health").returncode in (0, 1)
+    result = rlmctl("-i", str(local_inventory), "accept", "kept", "--json")
+    criteria = {c["name"]: c for c in json.loads(result.stdout)["criteria"]}
+    path = criteria["communication path"]
+    assert path["verdict"] == accept.PASS and "NET/IB x8" in path["measured"], path
+    assert criteria["GPU topology"]["verdict"] != accept.NO_DATA  # from the newer plain run
