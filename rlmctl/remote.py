@@ -118,6 +118,8 @@ class Fleet:
         self._lock = threading.Lock()
         self._fabric_config: Any = None
         self._resolver = Resolver()
+        # Called with every result of every command (a progress display), besides run()'s own.
+        self.on_result: Callable[[Result], None] | None = None
         self._endpoints: dict[str, Endpoint] = {}
         self._gateways: dict[Endpoint, Any] = {}
         self._gateway_locks: dict[Endpoint, threading.Lock] = {}
@@ -155,6 +157,8 @@ class Fleet:
             result = self.run_one(host, text, limit)
             if on_result:
                 on_result(result)
+            if self.on_result:
+                self.on_result(result)
             return result
 
         workers = min(self.forks, len(targets))
