@@ -447,7 +447,8 @@ def _api(api: str | PrometheusAPI, path: str, params: dict[str, str], timeout: f
         if error.code == 401:
             raise PrometheusError(
                 f"{url} refuses the login (HTTP 401): set rlm_monitoring_username and "
-                "rlm_monitoring_password to a user of rlm_monitoring_basic_auth_users"
+                "rlm_monitoring_password to a user of rlm_monitoring_basic_auth_users (the "
+                "generated login is in rlm_monitoring_credentials_file)"
             ) from None
         try:
             body = json.loads(error.read().decode())
