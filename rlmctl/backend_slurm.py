@@ -266,6 +266,42 @@ class Backend:
             segments=segments,
         )
 
+    def commands(self, run: RunDir, placement: Placement, attempt: Attempt) -> dict[str, str]:
+        """What `start` submits (`--dry-run`, `rlmctl slurm`): the batch script, by name (one
+        per segment of a chain, launch --segments)."""
+        name = self.script_name(run, attempt, pending=True)
+        segments = placement.segments if attempt.kind == "launch" else 1
+        if segments == 1:
+            return {name: self.script(run, placement, attempt)}
+        stem = name.removesuffix(".sh")
+        return {
+            f"{stem}-seg{k}.sh": self.script(run, placement, attempt, k)
+            for k in range(1, segments + 1)
+        }
+
+    def script_name(self, run: RunDir, attempt: Attempt, pending: bool = False) -> str:
+        """slurm-<launch|resume>-<attempt number>.sh in the run directory."""
+        number = len(self.ctx.registry.launches(run.name)) if run.path.exists() else 0
+        return f"slurm-{attempt.kind}-{number + (1 if pending else 0)}.sh"
+
+    def stop_commands(
+        self, run: RunDir, probe: Probe, timeout: float, leave_out: set[str]
+    ) -> dict[str, str]:
+        """What `stop` would run on the submit host (`--dry-run`)."""
+        if job_id_of(run) is None:
+            raise RlmctlError(f"run {run.name} has no Slurm job recorded ({run.path / JOB_FILE})")
+        current = self.current(run)
+        job_id = current.job_id
+        if current.ended:
+            return {
+                self.submit_host.name: f"# Slurm job {job_id} is {current.state}: nothing to do"
+            }
+        chain = (read_json(run.path / JOB_FILE) or {}).get("chain")
+        pending = f"scancel --state=PENDING --name={run.name}; " if chain else ""
+        term = f"scancel --signal=TERM {job_id}; " if current.state == "RUNNING" else ""
+        wait = f"wait up to {timeout:g} s for the trainer to stop; " if term else ""
+        return {self.submit_host.name: f"{pending}{term}{wait}scancel {job_id}"}
+
     def admit(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Placement:
         """`sbatch --test-only`: Slurm judges partition, node count and credentials (the script
         travels on stdin; no job is created). When the partition has nodes enough but not
@@ -338,7 +374,7 @@ class Backend:
     def start(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Started:
         """Write the batch script into the run directory, sbatch it, record the job and what it
         asked for (nodes, partition, time limit: a resume asks for the same)."""
-        stem = f"slurm-{attempt.kind}-{len(self.ctx.registry.launches(run.name))}"
+        stem = self.script_name(run, attempt).removesuffix(".sh")
         segments = placement.segments if attempt.kind == "launch" else 1
         chain: list[str] = []
         for segment in range(1, segments + 1):
