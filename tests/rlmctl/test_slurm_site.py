@@ -562,3 +562,20 @@ def test_a_container_image_runs_torchrun_in_podman_over_ssh(local_inventory: Pat
     assert head[-2:] == ["--device=/dev/kfd", "--device=/dev/dri"]
     assert argv[image + 1 : image + 4] == ["python3", "-m", "torch.distributed.run"]
     assert f"run_dir={run.path}" in argv
+
+
+def test_launch_dry_run_lists_each_segment_and_the_site_options(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """`launch --dry-run --segments 2 --account a1` under Slurm prints both segments' scripts,
+    each with the account, and writes nothing."""
+    _, env = slurm_site(local_inventory, tmp_path, squeue="", scontrol="", sacct="")
+    args = ["launch", "-c", str(CONFIG), "--name", "dr", "--segments", "2", "--account", "a1"]
+    shown = rlmctl("-i", str(local_inventory), *args, "--dry-run", "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    scripts = json.loads(shown.stdout)["commands"]
+    assert sorted(scripts) == ["slurm-launch-1-seg1.sh", "slurm-launch-1-seg2.sh"], scripts
+    for k, name in enumerate(sorted(scripts), 1):
+        assert "--account=a1" in sbatch_lines(scripts[name])
+        assert f"segment {k} of 2" in scripts[name]
+    assert not (local_inventory.parent / "shared" / "runs" / "dr").exists()
