@@ -17,6 +17,7 @@ import typer
 
 from rlmctl import render
 from rlmctl.errors import RlmctlError, RunNotFound
+from rlmctl.wheelhouse import command as wheelhouse_command
 
 if TYPE_CHECKING:
     from rlmctl.scheduler import Scheduler
@@ -432,6 +433,10 @@ def demo(
     from rlmctl import demo as demo_flow
 
     raise typer.Exit(demo_flow.run(_session(ctx), steps))
+
+
+# The offline wheelhouse builder (rlmctl/wheelhouse.py): needs no inventory.
+app.command("wheelhouse")(wheelhouse_command)
 
 
 # entry point --------------------------------------------------------------------------------------
