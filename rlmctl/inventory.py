@@ -58,6 +58,10 @@ class Host:
     monitoring_password: str = field(default="", repr=False, compare=False)
     accept_thresholds: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     scheduler: str = default("rlm_scheduler")  # "ssh" or "slurm": what starts the trainer
+    # The shared directory's owner, filesystem and free-space floor (clusterspec/shared_dir.py).
+    service_user: str = default("rlm_service_user")
+    shared_fs: str = default("rlm_shared_fs")
+    shared_min_free_gib: float = default("rlm_shared_min_free_gib")
 
     @property
     def is_local(self) -> bool:
@@ -330,6 +334,9 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
         accept_thresholds=var("rlm_accept_thresholds"),
         gpudirect=None if gpudirect is None else str(gpudirect).lower() in ("true", "yes", "1"),
         scheduler=scheduler,
+        service_user=str(var("rlm_service_user")),
+        shared_fs=str(var("rlm_shared_fs")),
+        shared_min_free_gib=float(var("rlm_shared_min_free_gib")),
     )
 
 
