@@ -66,16 +66,6 @@ def wheel_glibc(filename: str) -> tuple[int, int] | None:
     return min(floors) if floors else None
 
 
-def wheel_machine(filename: str) -> str | None:
-    platform = parse_wheel(filename)["platform"].split(".")[0]
-    if platform == "any":
-        return None
-    for machine in ("x86_64", "aarch64", "ppc64le", "s390x"):
-        if platform.endswith(machine):
-            return machine
-    return platform
-
-
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:

@@ -200,7 +200,9 @@ def verify(directory: Path, python_exe: str, bundle_name: str, bundle_only: bool
         venv = Path(tmp) / "venv"
         subprocess.run([python_exe, "-m", "venv", str(venv)], check=True, capture_output=True)
         requirements = spec.BUNDLE_REQUIREMENTS if bundle_only else spec.REQUIREMENTS
-        argv = [str(venv / "bin/python"), "-m", "pip", "install", "--quiet", "--no-index"]
+        # --no-compile: this venv is thrown away; byte-compiling torch would only cost minutes.
+        argv = [str(venv / "bin/python"), "-m", "pip", "install", "--quiet", "--no-compile"]
+        argv += ["--no-index"]
         argv += ["--find-links", str(directory), "--require-hashes"]
         argv += ["--no-deps"] if bundle_only else []
         _pip(
@@ -247,7 +249,10 @@ def build(
     if out.exists() and any(out.iterdir()):
         raise RlmctlError(f"--out {out} exists and is not empty: a wheelhouse is built whole")
     if check:
-        python_exe = python_exe or shutil.which(f"python{target.python}")
+        here = "{}.{}".format(*sys.version_info[:2])
+        python_exe = python_exe or (
+            sys.executable if here == target.python else shutil.which(f"python{target.python}")
+        )
         if bundle_only:  # a pure-Python wheel: any interpreter verifies it
             python_exe = python_exe or sys.executable
         elif not python_exe:
@@ -258,6 +263,10 @@ def build(
         if not bundle_only and (found := python_of(python_exe)) != target.python:
             raise RlmctlError(f"--python-exe {python_exe} is Python {found}, not {target.python}")
     started = time.monotonic()
+
+    def step(message: str) -> None:
+        say(f"[{time.monotonic() - started:4.0f} s] {message}")
+
     staging = out.with_name(f".{out.name}.building")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -268,7 +277,7 @@ def build(
         if not bundle_only and torch is None:
             raise RlmctlError(f"{bundle.name} pins no torch in [train]: pass --torch VERSION")
         if torch:
-            say(f"torch {torch} for vendor {target.vendor} from {target.torch_index}")
+            step(f"torch {torch} for vendor {target.vendor} from {target.torch_index}")
             download = [*PIP, "download", "--quiet", "--dest", str(staging), *target.pip_args()]
             _pip(
                 [*download, "--no-deps", "--index-url", target.torch_index, f"torch=={torch}"],
@@ -276,7 +285,7 @@ def build(
             )
             torch_wheel = next(staging.glob("torch-*.whl"))
             exact = spec.parse_wheel(torch_wheel.name)["version"]
-            say(f"{torch_wheel.name}; now {name}[train] {version} and every dependency")
+            step(f"{torch_wheel.name}; now {name}[train] {version} and every dependency")
             # torch held at the exact build just downloaded (a local label such as +rocm6.2
             # exists on the vendor's index only); its dependencies may live there too.
             sources = ["--find-links", str(staging), "--extra-index-url", target.torch_index]
@@ -286,6 +295,7 @@ def build(
                 f"{target.python}",
             )
         described = describe(staging, bundle, [] if bundle_only else ["train"])
+        step(f"{len(described['wheels'])} wheels hashed")
         requirements = spec.requirement_lines(described["wheels"])
         (staging / spec.REQUIREMENTS).write_text(requirements)
         bundle_line = spec.requirement_lines(
@@ -312,7 +322,7 @@ def build(
             "verified": None,
         }
         if check:
-            say(f"installing it offline into a clean venv of {python_exe}")
+            step(f"installing it offline into a clean venv of {python_exe}")
             manifest["verified"] = {
                 **verify(staging, python_exe, described["bundle"]["name"], bundle_only),
                 "with": python_exe,
@@ -325,10 +335,10 @@ def build(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     size = sum(w["size"] for w in manifest["wheels"])
-    say(
+    step(
         f"{out}: {len(manifest['wheels'])} wheels, {size / 2**20:.0f} MiB, for Python "
         f"{target.python} / glibc >= {manifest['target']['glibc']} / {target.machine} / vendor "
-        f"{target.vendor}{'' if check else ' (NOT verified)'} in {time.monotonic() - started:.0f} s"
+        f"{target.vendor}{'' if check else ' (NOT verified)'}"
     )
     return manifest
 

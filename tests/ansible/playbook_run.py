@@ -97,6 +97,7 @@ def run_playbook(
     check: bool = False,
     tags: str | None = None,
     skip_tags: str | None = None,
+    limit: str | None = None,
     extra_vars: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 600,
@@ -109,6 +110,8 @@ def run_playbook(
         argv += ["--tags", tags]
     if skip_tags:
         argv += ["--skip-tags", skip_tags]
+    if limit:
+        argv += ["--limit", limit]
     if extra_vars:
         vars_file = work_dir / "extra-vars.json"
         vars_file.write_text(json.dumps(extra_vars))
