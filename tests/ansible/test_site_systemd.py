@@ -46,8 +46,9 @@ from tests.slurm.slurm_rig import prepare_corpus
 from tests.test_rig_systemd import systemd_unavailable
 from trainer.rundir import RunDir
 
-# The module's fixture runs site.yml three times on 8 nodes (about 10 min on 2 quiet cores).
-pytestmark = [pytest.mark.rig, pytest.mark.timeout(3600)]
+# The module's fixture builds two full wheelhouses (cached until the bundle changes) and runs
+# site.yml three times on 8 nodes.
+pytestmark = [pytest.mark.rig, pytest.mark.timeout(5400)]
 SLOT = 6  # see docs/rig.md for the slots of each module
 RELEASES = ["bookworm"] * 4 + ["trixie"] * 4
 MGMT = ("node1", "node5")
