@@ -61,4 +61,6 @@ class LookupModule(LookupBase):
             torch=None if node.get("torch") in (None, "") else str(node["torch"]),
             bundle_version=str(node["bundle"]),
         )
-        return [{"manifest": manifest, "problems": found, "build": build}]
+        # Each wheel keyed by file and hash, as the node's probe lists what it has.
+        wheels = [w | {"key": f"{w['file']} {w['sha256']}"} for w in manifest["wheels"]]
+        return [{"manifest": manifest | {"wheels": wheels}, "problems": found, "build": build}]

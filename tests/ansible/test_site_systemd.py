@@ -48,7 +48,7 @@ from trainer.rundir import RunDir
 
 # The module's fixture builds two full wheelhouses (cached until the bundle changes) and runs
 # site.yml three times on 8 nodes.
-pytestmark = [pytest.mark.rig, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.rig, pytest.mark.timeout(7200)]
 SLOT = 6  # see docs/rig.md for the slots of each module
 RELEASES = ["bookworm"] * 4 + ["trixie"] * 4
 MGMT = ("node1", "node5")
@@ -130,11 +130,11 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
             work / "hosts.yml", site_inventory(rig, wheelhouse, stacks, full)
         )
         check = timed(
-            "check run", run_playbook, "site.yml", inventory, work, check=True, timeout=900
+            "check run", run_playbook, "site.yml", inventory, work, check=True, timeout=1800
         )
-        first = timed("first run", run_playbook, "site.yml", inventory, work, timeout=1800)
+        first = timed("first run", run_playbook, "site.yml", inventory, work, timeout=2400)
         second = (
-            timed("rerun", run_playbook, "site.yml", inventory, work, timeout=900)
+            timed("rerun", run_playbook, "site.yml", inventory, work, timeout=1800)
             if first.rc == 0
             else first
         )

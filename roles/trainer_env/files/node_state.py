@@ -16,7 +16,16 @@ def read_json(path):
         return None
 
 
+def read_text(path):
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
 manifest = read_json(os.path.join(wheelhouse, "manifest.json")) or {}
+purelib = os.path.join(venv, "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
 libc, libc_version = platform.libc_ver()
 print(
     json.dumps(
@@ -25,7 +34,9 @@ print(
             "glibc": libc_version if libc == "glibc" else "0",
             "machine": platform.machine(),
             "venv": os.path.exists(os.path.join(venv, "bin", "python")),
-            "purelib": os.path.join(venv, "lib", "python%d.%d" % sys.version_info[:2], "site-packages"),
+            "purelib": purelib,
+            # The site stack's link (site mode), compared with what the role would write.
+            "site_pth": read_text(os.path.join(purelib, "rlm-site.pth")),
             # The manifest is written last by the role: the wheels it lists are complete.
             "wheelhouse_digest": manifest.get("digest"),
             "wheelhouse_wheels": [w["file"] + " " + w["sha256"] for w in manifest.get("wheels", [])],
