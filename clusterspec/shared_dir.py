@@ -34,7 +34,8 @@ for directory in sys.argv[1:]:
             f.flush()
             os.fsync(f.fileno())
     except OSError as error:
-        print("%s: %s" % (directory, error.strerror))
+        print(directory)
+        print(error.strerror)
         sys.exit(1)
     finally:
         if os.path.exists(path):
@@ -91,8 +92,9 @@ def owner_advice(path, user, fs, paths):
 
 
 def write_check(directories, user):
-    """None when `user` can write in every directory, else what failed. As root: tried as that
-    user for real; as the user itself: directly; as anyone else: judged by the mode bits."""
+    """None when `user` can write in every directory, else (the first directory it cannot write
+    in, why). As root: tried as that user for real; as the user itself: directly; as anyone else:
+    judged by the mode bits."""
     me = os.geteuid()
     if me == user.pw_uid or (me == 0 and sys.version_info >= (3, 9)):
         argv = [sys.executable, "-c", WRITE_PROBE, *directories]
@@ -105,13 +107,16 @@ def write_check(directories, user):
         except OSError:  # this interpreter is not the user's to run (a private install)
             done = None
         if done is not None and done.returncode != 0:
-            return done.stdout.strip() or "the write probe exited " + str(done.returncode)
+            said = done.stdout.splitlines()
+            if len(said) == 2:
+                return said[0], said[1]
+            return directories[0], "the write probe exited " + str(done.returncode)
         if done is not None:
             return None
     for directory in directories:
         st = os.stat(directory)
         if not (st.st_uid == user.pw_uid and st.st_mode & 0o300 == 0o300) and st.st_mode & 3 != 3:
-            return directory + ": mode " + oct(st.st_mode & 0o7777) + " (by its mode bits)"
+            return directory, "mode " + oct(st.st_mode & 0o7777) + " (by its mode bits)"
     return None
 
 
@@ -161,8 +166,11 @@ def inspect(cfg):
     writer = user or pwd.getpwuid(os.geteuid())
     failed = write_check(directories, writer)
     if failed:
-        fix = "give " + writer.pw_name + " write access to " + " ".join(directories)
-        findings.append((CRIT, writer.pw_name + " cannot write in " + failed, fix))
+        directory, why = failed
+        # A directory of the wrong owner: giving it to the user (the fix above) is the fix.
+        owned_wrong = directory in [d for d, _ in strangers]
+        fix = None if owned_wrong else "give " + writer.pw_name + " write access to " + directory
+        findings.append((CRIT, writer.pw_name + " cannot write in " + directory + ": " + why, fix))
     st = os.statvfs(path)
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     used_pct = 100.0 * (1 - free / total) if total else 100.0
@@ -186,7 +194,7 @@ def _verdict(findings, healthy):
     state = max((f[0] for f in findings), key=rank.get, default=OK)
     fixes = []
     for _, _, fix in findings:
-        if fix not in fixes:
+        if fix and fix not in fixes:
             fixes.append(fix)
     detail = "; ".join(f[1] for f in findings) if state == CRIT else healthy
     if state == WARN:
