@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 # NCCL/RCCL print the transport of every channel at INFO with the INIT subsystem, and the NICs
 # with NET. The inventory's rlm_comm_env wins where it sets these itself.
@@ -95,7 +96,7 @@ class CommPath:
             parts.append("socket " + " ".join(ifs))
         return "; ".join(parts) or "no channels logged"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "transports": self.transports(),
             "ib_nics": self.ib_nics,
@@ -197,7 +198,7 @@ def judge(path: CommPath, fabric: str | None, gpudirect: bool | None) -> list[st
     return problems
 
 
-def fabric_env(settings: dict) -> dict[str, str]:
+def fabric_env(settings: dict[str, Any]) -> dict[str, str]:
     """NCCL variables for the inventory's rlm_nccl_ib_* settings that are set."""
     return {
         env: str(settings[var])

@@ -18,12 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from clusterspec import vendors
+from clusterspec.inventory import (
+    DRAINED_GROUP,
+    TRAINING_GROUP,
+    Host,
+    Inventory,
+    InventoryError,
+    load,
+)
 from monitoring.exporter import OneLineErrorParser
-from rlmctl.errors import RlmctlError
-from rlmctl.inventory import TRAINING_GROUP, Host, Inventory, load
-from trainer.rundir import write_json_atomic
+from runcontract.rundir import write_json_atomic
 
-DRAINED_GROUP = "drained"
 # job → (port, which hosts). Ports are the defaults of the exporters and of the trainer's
 # metrics endpoint (rank 0 serves it, launched with metrics.port=9401).
 # None: the host's rlm_exporter_port (clusterspec/variables.yml, the rlm_exporter role's port).
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         inventory = load(args.inventory)
         paths = write_targets(target_groups(inventory), args.out)
-    except RlmctlError as error:
+    except InventoryError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code
     except OSError as error:

@@ -1,6 +1,6 @@
 """`rlmctl accept RUN`: the go-live verdict of a run, one criterion per line.
 
-Each criterion reads one source: the run directory (trainer/rundir.py: metrics.jsonl, events,
+Each criterion reads one source: the run directory (runcontract/rundir.py: metrics.jsonl, events,
 checkpoints, launcher logs), Prometheus over its HTTP API when `rlm_prometheus_url` is set
 (urllib only; HTTPS verified with `rlm_monitoring_tls_ca`, basic auth as `rlm_monitoring_username`), and the last `rlmctl health` report (topology and communication path). Verdicts:
 PASS, FAIL, NO DATA (the source has nothing yet, or does not answer: the reason says which) and
@@ -28,7 +28,8 @@ from typing import Any
 
 from clusterspec import vendors
 from clusterspec.variables import default
-from trainer.rundir import RunDir
+from runcontract.rundir import RunDir
+from runcontract.states import EventKind
 
 PASS, FAIL, NO_DATA, NA = "PASS", "FAIL", "NO DATA", "N/A"
 REPORT_NAME = "acceptance.md"
@@ -103,7 +104,7 @@ class RunData:
         )
 
     def start(self) -> dict[str, Any]:
-        starts = [e for e in self.events if e.get("event") == "start"]
+        starts = [e for e in self.events if e.get("event") == EventKind.START]
         return starts[-1] if starts else {}
 
 
@@ -312,7 +313,7 @@ def nonfinite_steps(data: RunData, t: dict[str, Any]) -> Criterion:
     limit = t["max_nonfinite_steps"]
     if not data.train:
         return _no_metrics(name, f"<= {limit}")
-    count = sum(1 for e in data.events if e.get("event") == "nonfinite")
+    count = sum(1 for e in data.events if e.get("event") == EventKind.NONFINITE)
     return Criterion(name, f"<= {limit}", str(count), PASS if count <= limit else FAIL, source)
 
 
@@ -349,7 +350,7 @@ class PrometheusAPI:
 
 
 def prometheus_api(host: Any) -> PrometheusAPI | None:
-    """The Prometheus an inventory host names (rlmctl.inventory.Host), None without a URL."""
+    """The Prometheus an inventory host names (clusterspec.inventory.Host), None without a URL."""
     if not host.prometheus_url:
         return None
     return PrometheusAPI(

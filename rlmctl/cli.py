@@ -9,18 +9,15 @@ them. Commands get typed records from the modules below and hand them to rlmctl.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 
 from rlmctl import render
-from rlmctl.errors import RlmctlError, RunNotFound
+from rlmctl.context import Context, Site
+from rlmctl.errors import InventoryError, RlmctlError, RunNotFound
 from rlmctl.wheelhouse import command as wheelhouse_command
-
-if TYPE_CHECKING:
-    from rlmctl.scheduler import Scheduler
 
 app = typer.Typer(
     name="rlmctl",
@@ -31,49 +28,9 @@ app = typer.Typer(
 )
 
 
-@dataclass
-class Session:
-    """What the global options select; the inventory and connections are made on first use."""
-
-    inventory_path: str
-    limit: str | None
-    exclude: str | None
-    forks: int
-    timeout: float
-    _inventory: Any = field(default=None, repr=False)
-
-    def inventory(self) -> Any:
-        if self._inventory is None:
-            from rlmctl import inventory
-
-            self._inventory = inventory.load(self.inventory_path)
-        return self._inventory
-
-    def hosts(self) -> list[Any]:
-        return self.inventory().select(self.limit, self.exclude)
-
-    def fleet(self, hosts: list[Any] | None = None) -> Any:
-        from rlmctl.remote import DEFAULT_CONNECT_TIMEOUT_S, Fleet
-
-        # A short --timeout also shortens the connect timeout: down hosts cost no more than that.
-        connect = max(1, min(DEFAULT_CONNECT_TIMEOUT_S, int(self.timeout)))
-        return Fleet(self.hosts() if hosts is None else hosts, self.forks, self.timeout, connect)
-
-    def registry(self, readonly: bool = False) -> Any:
-        """Read commands pass readonly: they never create, migrate or write the registry."""
-        from rlmctl.launch import open_registry
-
-        return open_registry(self.hosts(), readonly=readonly)
-
-    def scheduler(self) -> Scheduler:
-        """What starts, signals and follows runs: rlm_scheduler of the selected hosts."""
-        from rlmctl.scheduler import for_site
-
-        return for_site(self)
-
-
-def _session(ctx: typer.Context) -> Session:
-    return ctx.obj
+def _site(ctx: typer.Context) -> Site:
+    site: Site = ctx.obj
+    return site
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -102,23 +59,23 @@ def main_options(
         float, typer.Option(help="Seconds a remote command may take per host.", min=1)
     ] = 60.0,
 ) -> None:
-    ctx.obj = Session(inventory, limit, exclude, forks, timeout)
+    ctx.obj = Site(inventory, limit, exclude, forks, timeout)
 
 
 # inventory / health -------------------------------------------------------------------------------
 @app.command("inventory")
 def inventory_cmd(ctx: typer.Context, json_output: JsonOpt = False) -> None:
     """Show the selected hosts with their connection and bundle variables."""
-    session = _session(ctx)
-    hosts = session.hosts()
-    source = str(session.inventory().source)
-    if json_output:
-        groups = session.inventory().groups
-        render.emit_json(
-            {"source": source, "groups": groups, "hosts": [h.as_dict() for h in hosts]}
-        )
-    else:
-        render.inventory(source, hosts)
+    with Context(_site(ctx), readonly=True) as session:
+        hosts = session.hosts
+        source = str(session.inventory.source)
+        if json_output:
+            groups = session.inventory.groups
+            render.emit_json(
+                {"source": source, "groups": groups, "hosts": [h.as_dict() for h in hosts]}
+            )
+        else:
+            render.inventory(source, hosts)
 
 
 @app.command()
@@ -131,17 +88,18 @@ def health(
 ) -> None:
     """The pre-launch gate: one round trip per host; exit 1 when a check is CRIT."""
     from rlmctl import health as health_checks
+    from rlmctl import lifecycle
 
-    session = _session(ctx)
-    hosts = session.hosts()
-    with session.fleet(hosts) as fleet:
-        report = health_checks.run_checks(fleet)
-        session.scheduler().node_checks(fleet, report)  # e.g. Slurm's drain/down per node
+    with Context(_site(ctx), readonly=True) as session:
+        hosts = session.hosts
+        report = health_checks.run_checks(session.fleet)
+        lifecycle.backend_for(session).node_checks(report)  # e.g. Slurm's drain/down per node
         deep_result = None
         if deep:
             from rlmctl import deep as deep_checks
 
-            deep_result = deep_checks.run(fleet, [h for h in hosts if h.name in report.healthy])
+            healthy = [h for h in hosts if h.name in report.healthy]
+            deep_result = deep_checks.run(session.fleet, healthy)
     result = report.as_dict() | ({"deep": deep_result.as_dict()} if deep_result else {})
     health_checks.save_last_report(result, hosts[0].shared_dir)  # for `rlmctl accept`
     if json_output:
@@ -159,12 +117,10 @@ def accept(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
     """The go-live verdict of a run: every criterion with threshold, measured value, PASS/FAIL/
     NO DATA/N/A and source; writes <run_dir>/acceptance.md with plots. Exit 1 when one FAILs."""
     from rlmctl import accept as acceptance
-    from trainer.rundir import RunDir
 
-    session = _session(ctx)
-    host = session.hosts()[0]
-    with session.registry(readonly=True) as registry:
-        run_dir = RunDir(registry.run(run)["run_dir"])
+    with Context(_site(ctx), readonly=True) as session:
+        host = session.hosts[0]
+        run_dir = session.run(run)
     verdict = acceptance.run(
         run, run_dir, acceptance.prometheus_api(host), host.accept_thresholds, host.shared_dir
     )
@@ -192,18 +148,29 @@ def launch(
         str | None, typer.Option(help="Slurm partition (rlm_scheduler slurm).")
     ] = None,
     time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit.")] = "24:00:00",
+    memory_check: Annotated[
+        bool,
+        typer.Option(
+            help="Refuse a config whose memory estimate per GPU (rlmctl plan) exceeds "
+            "rlm_gpu_memory_gib; --no-memory-check launches it anyway."
+        ),
+    ] = True,
     json_output: JsonOpt = False,
 ) -> None:
-    """Gate, create the run directory, and start torchrun on every host (detached), or submit
-    the batch job to Slurm (rlm_scheduler: slurm)."""
-    from rlmctl.scheduler import LaunchRequest
+    """Check the config and its memory estimate, gate, create the run directory, and start
+    torchrun on every host (detached), or submit the batch job to Slurm (rlm_scheduler: slurm)."""
+    from rlmctl import lifecycle
+    from rlmctl.backend import LaunchRequest
 
-    session = _session(ctx)
     for text in overrides or []:
         if "=" not in text:
             raise RlmctlError(f"override {text!r} must look like key=value, e.g. train.steps=500")
-    request = LaunchRequest(config, overrides or [], name, nodes, force, partition, time_limit)
-    launched = session.scheduler().launch(request, render.say())
+    request = LaunchRequest(
+        config, overrides or [], name, nodes, force, partition, time_limit, memory_check
+    )
+    with Context(_site(ctx)) as session:
+        backend = lifecycle.backend_for(session)
+        launched = lifecycle.launch(session, backend, request, render.say())
     if json_output:
         render.emit_json(launched)
     elif launched.job_id:
@@ -223,7 +190,10 @@ def launch(
 def status(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
     """State of record, processes per host and progress; exit 1 when the run failed or its
     processes disagree with its state. Reads only."""
-    info = _session(ctx).scheduler().status(run)
+    from rlmctl import lifecycle
+
+    with Context(_site(ctx), readonly=True) as session:
+        info = lifecycle.status(session, lifecycle.backend_for(session), run)
     if json_output:
         render.emit_json(info)
     else:
@@ -242,11 +212,11 @@ def logs(
     lines: Annotated[int, typer.Option("--lines", "-n", help="Lines of history per host.")] = 40,
 ) -> None:
     """Print the launcher logs (torchrun + trainer output) from the run directory."""
+    from rlmctl import lifecycle
     from rlmctl import logs as run_logs
 
-    session = _session(ctx)
-    with session.registry(readonly=True) as registry:
-        paths = run_logs.log_paths(registry, run, host)
+    with Context(_site(ctx), readonly=True) as session:
+        paths = lifecycle.log_paths(session, lifecycle.backend_for(session), run, host)
     run_logs.show(paths, lines, follow, sys.stdout)
 
 
@@ -261,7 +231,10 @@ def stop(
 ) -> None:
     """Stop a run on every host; verifies that none of its processes remain. A run that has
     already ended is left as it is."""
-    outcome = _session(ctx).scheduler().stop(run, timeout)
+    from rlmctl import lifecycle
+
+    with Context(_site(ctx)) as session:
+        outcome = lifecycle.stop(session, lifecycle.backend_for(session), run, timeout)
     if json_output:
         render.emit_json(outcome)
     elif outcome.slurm:
@@ -279,11 +252,15 @@ def resume(
     force: Annotated[bool, typer.Option(help="Keep hosts that fail the gate.")] = False,
 ) -> None:
     """Relaunch a stopped or failed run from its newest verified checkpoint."""
-    session = _session(ctx)
-    excluded = set()
-    if session.exclude:
-        excluded = {h.name for h in session.inventory().select(session.exclude)}
-    resumed = session.scheduler().resume(run, excluded, force, render.say())
+    from rlmctl import lifecycle
+
+    site = _site(ctx)
+    with Context(site) as session:
+        excluded = set()
+        if site.exclude:
+            excluded = {h.name for h in session.inventory.select(site.exclude)}
+        backend = lifecycle.backend_for(session)
+        resumed = lifecycle.resume(session, backend, run, excluded, force, render.say())
     if resumed.job_id:
         render.line(f"resubmitted {run} as Slurm job {resumed.job_id}; `rlmctl status {run}`")
     else:
@@ -304,24 +281,26 @@ def watch(
     ] = 10.0,
 ) -> None:
     """Supervise a run: fail fast on a dead process, lost host or hang; restart when it can help."""
-    from rlmctl import supervise
+    from rlmctl import lifecycle
 
-    policy = supervise.WatchPolicy(
+    policy = lifecycle.WatchPolicy(
         poll_s=poll, stall_s=stall, max_restarts=restarts, backoff_s=backoff
     )
-    raise typer.Exit(_session(ctx).scheduler().watch(run, policy, render.say()))
+    with Context(_site(ctx)) as session:
+        backend = lifecycle.backend_for(session)
+        code = lifecycle.watch(session, backend, run, policy, render.say())
+    raise typer.Exit(code)
 
 
 # registry views -----------------------------------------------------------------------------------
 @app.command()
 def runs(ctx: typer.Context, json_output: JsonOpt = False) -> None:
     """Runs in the registry, oldest first, with their state from their run directories."""
-    from rlmctl import launch as launching
+    from rlmctl import lifecycle
 
-    session = _session(ctx)
     try:
-        with session.registry(readonly=True) as registry:
-            rows = launching.summaries(registry)
+        with Context(_site(ctx), readonly=True) as session:
+            rows = lifecycle.summaries(session)
     except RunNotFound:  # no registry yet
         rows = []
     if json_output:
@@ -333,12 +312,10 @@ def runs(ctx: typer.Context, json_output: JsonOpt = False) -> None:
 @app.command()
 def reindex(ctx: typer.Context) -> None:
     """Rebuild the registry (an index) from the run directories under rlm_shared_dir/runs."""
-    from rlmctl import launch as launching
     from rlmctl.registry import reindex as rebuild
 
-    session = _session(ctx)
-    with session.registry() as registry:
-        added = rebuild(registry, launching.runs_root(session.hosts()))
+    with Context(_site(ctx)) as session:
+        added = rebuild(session.registry, session.runs_root)
     render.line(f"indexed {len(added)} run(s): {', '.join(added) or '-'}")
 
 
@@ -352,12 +329,10 @@ def checkpoints(
     json_output: JsonOpt = False,
 ) -> None:
     """A run's checkpoints with their verification; exit 1 when one is invalid."""
-    from rlmctl.launch import checkpoint_row
-    from trainer.rundir import RunDir
+    from rlmctl.lifecycle import checkpoint_row
 
-    session = _session(ctx)
-    with session.registry(readonly=True) as registry:
-        run_dir = RunDir(registry.run(run)["run_dir"])
+    with Context(_site(ctx), readonly=True) as session:
+        run_dir = session.run(run)
     rows = [checkpoint_row(info) for info in run_dir.checkpoints(full=verify)]
     if json_output:
         render.emit_json(rows)
@@ -408,8 +383,8 @@ def slurm(
     """Print an sbatch script (srun + torchrun) for sites that schedule with Slurm."""
     from rlmctl import slurm as slurm_script
 
-    session = _session(ctx)
-    host = session.hosts()[0]
+    with Context(_site(ctx), readonly=True) as session:
+        host = session.hosts[0]
     print(
         slurm_script.render(
             config=config,
@@ -432,7 +407,9 @@ def demo(
     """The whole flow on this machine: prepare data, gate, launch 2 CPU workers, stop, report."""
     from rlmctl import demo as demo_flow
 
-    raise typer.Exit(demo_flow.run(_session(ctx), steps))
+    with Context(_site(ctx)) as session:
+        code = demo_flow.run(session, steps)
+    raise typer.Exit(code)
 
 
 # The offline wheelhouse builder (rlmctl/wheelhouse.py): needs no inventory.
@@ -484,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Standalone mode: Click prints usage errors itself and exits 2; our errors come here.
         app(args=args, prog_name="rlmctl")
-    except RlmctlError as error:
+    except (RlmctlError, InventoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
     except KeyboardInterrupt:

@@ -1,6 +1,6 @@
 """`rlmctl health --deep`: a real collective across the selected hosts, plus nccl/rccl-tests.
 
-1. torchrun on every host (same rendezvous as a training launch) runs `rlmctl.allreduce`: a timed
+1. torchrun on every host (same rendezvous as a training launch) runs `trainer.allreduce`: a timed
    all-reduce that proves every host can join the job and reports bus bandwidth.
 2. Where `all_reduce_perf` (nccl-tests / rccl-tests) is installed, each host runs it on its own
    GPUs at one large size (16 GiB, the size the floors are published for) and its bus bandwidth
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterspec import transport, vendors
-from rlmctl.inventory import Host
+from clusterspec.inventory import Host
 from rlmctl.remote import Fleet, with_env
 
 PROBE_TIMEOUT_S = 300
@@ -116,7 +116,7 @@ def _probe_command(host: Host, hosts: list[Host], rdzv_id: str) -> str:
         host.python, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}",
         f"--nproc-per-node={host.gpus_per_node}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={first.address}:{first.rdzv_port}", f"--rdzv-id={rdzv_id}",
-        "--max-restarts=0", "-m", "rlmctl.allreduce",
+        "--max-restarts=0", "-m", "trainer.allreduce",
     ]  # fmt: skip
     return with_env(shlex.join(argv) + " 2>&1", debug_env(host))
 

@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlmctl import launch
+from rlmctl import lifecycle
+from rlmctl.backend import Backend, LaunchRequest
+from rlmctl.context import Context
 from rlmctl.errors import RlmctlError
-from trainer.rundir import RunDir
+from runcontract.rundir import RunDir
+from runcontract.states import RunState
 
 CONFIG = Path(__file__).resolve().parents[1] / "trainer" / "configs" / "demo.yaml"
 POLL_S = 1.0
@@ -43,7 +46,7 @@ def prepare_data(shared_dir: Path, say: Any) -> Path:
     return data
 
 
-def run(session: Any, steps: int) -> int:
+def run(session: Context, steps: int) -> int:
     """The demo; returns the exit code."""
     from rich.console import Console
     from rich.progress import Progress
@@ -53,7 +56,7 @@ def run(session: Any, steps: int) -> int:
     def say(message: str) -> None:
         console.print(message, markup=False, soft_wrap=True)
 
-    hosts = session.hosts()
+    hosts = session.hosts
     if not CONFIG.is_file():
         raise RlmctlError(f"{CONFIG} is missing; the demo needs the trainer's demo config")
     shared = Path(hosts[0].shared_dir)
@@ -62,32 +65,33 @@ def run(session: Any, steps: int) -> int:
     port = _free_port()
     name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides = [f"data.path={data}", f"train.steps={steps}", f"metrics.port={port}"]
-    with session.fleet(hosts) as fleet, session.registry() as registry:
-        _health(fleet, hosts, say)
-        name, run_dir, _ = launch.launch(
-            fleet, session.inventory(), hosts, CONFIG, name, None, False, overrides, say
-        )
-        say(f"metrics: http://localhost:{port}/metrics (while it runs)")
-        say(f"logs:    {run_dir.launcher_log_path(hosts[0].name)}  (rlmctl logs {name} -f)")
-        try:
-            state = _follow(fleet, registry, session, name, run_dir, steps, Progress, console)
-        except KeyboardInterrupt:
-            say("interrupted: stopping the run (the trainer saves a checkpoint first)")
-            launch.stop(fleet, registry, name, timeout=30)
-            return 130
+    _health(session, say)
+    backend = lifecycle.backend_for(session)
+    request = LaunchRequest(CONFIG, overrides, name)
+    launched = lifecycle.launch(session, backend, request, say)
+    run_dir = RunDir(launched.run_dir)
+    say(f"metrics: http://localhost:{port}/metrics (while it runs)")
+    say(f"logs:    {run_dir.launcher_log_path(hosts[0].name)}  (rlmctl logs {name} -f)")
+    try:
+        state = _follow(backend, run_dir, steps, Progress, console)
+    except KeyboardInterrupt:
+        say("interrupted: stopping the run (the trainer saves a checkpoint first)")
+        lifecycle.stop(session, backend, name, timeout=30)
+        return 130
     _report(run_dir, name, state, console)
     _accept(run_dir, name, hosts[0])
-    return 0 if state == "done" else 1
+    return 0 if state is RunState.DONE else 1
 
 
-def _health(fleet: Any, hosts: list[Any], say: Any) -> None:
+def _health(session: Context, say: Any) -> None:
     """`rlmctl health --deep` before the launch: its report is what `accept` reads for the
     topology and the communication path."""
     from rlmctl import deep, health
 
     say("health --deep: the gate, then a real all-reduce across the workers")
-    report = health.run_checks(fleet)
-    result = deep.run(fleet, [h for h in hosts if h.name in report.healthy])
+    hosts = session.hosts
+    report = health.run_checks(session.fleet)
+    result = deep.run(session.fleet, [h for h in hosts if h.name in report.healthy])
     health.save_last_report(report.as_dict() | {"deep": result.as_dict()}, hosts[0].shared_dir)
     say(result.summary())
 
@@ -102,7 +106,9 @@ def _accept(run_dir: RunDir, name: str, host: Any) -> None:
     render.acceptance(verdict)
 
 
-def _follow(fleet, registry, session, name, run_dir, steps, progress_cls, console) -> str:
+def _follow(
+    backend: Backend, run_dir: RunDir, steps: int, progress_cls: Any, console: Any
+) -> RunState:
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     columns = (
@@ -115,24 +121,20 @@ def _follow(fleet, registry, session, name, run_dir, steps, progress_cls, consol
     with progress_cls(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=steps, detail="starting torchrun")
         while True:
-            status = run_dir.read_status()
-            step = status.get("step") or 0
+            status = run_dir.status()
             detail = ""
-            if status.get("loss") is not None:
-                detail = f"loss {status['loss']:.3f}  {status.get('tokens_per_s') or 0:,.0f} tok/s"
-            progress.update(task, completed=step, detail=detail or "starting torchrun")
-            if status.get("state") in ("done", "failed", "stopped"):
-                return status["state"]
-            alive = launch.processes(fleet, registry, name, run_dir, fleet.hosts)
-            if not any(p.alive for p in alive.values()):
-                status = run_dir.read_status()
-                return (
-                    status.get("state") if status.get("state") in ("done", "stopped") else "failed"
-                )
+            if status.loss is not None:
+                detail = f"loss {status.loss:.3f}  {status.tokens_per_s or 0:,.0f} tok/s"
+            progress.update(task, completed=status.step or 0, detail=detail or "starting torchrun")
+            if status.state is not None and status.state.ended:
+                return status.state
+            if not backend.probe(run_dir).running:
+                state = run_dir.status().state
+                return state if state in (RunState.DONE, RunState.STOPPED) else RunState.FAILED
             time.sleep(POLL_S)  # display refresh
 
 
-def _report(run_dir: RunDir, name: str, state: str, console: Any) -> None:
+def _report(run_dir: RunDir, name: str, state: RunState, console: Any) -> None:
     from rich.table import Table
 
     def say(message: str) -> None:
@@ -156,14 +158,14 @@ def _report(run_dir: RunDir, name: str, state: str, console: Any) -> None:
         size = f"{info.size_bytes / 2**20:.1f} MiB"
         checkpoints.add_row(str(info.step), valid, size, info.path.name)
     console.print(checkpoints)
-    if state == "done":
+    if state is RunState.DONE:
         _depth_plot(run_dir, say)
     say(f"run directory: {run_dir.path} (checkpoints under checkpoints/)")
     say(
         f"next: rlmctl status {name} | rlmctl logs {name} | rlmctl checkpoints {name} --verify"
         f" | rlmctl accept {name}"
     )
-    if state != "done":
+    if state is not RunState.DONE:
         say(f"the run did not finish; see rlmctl logs {name}")
 
 

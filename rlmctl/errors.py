@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from clusterspec.inventory import InventoryError as InventoryError
+
 
 class RlmctlError(Exception):
     """A problem with the operator's input or environment; `str(error)` says what and how to fix.
@@ -12,9 +14,12 @@ class RlmctlError(Exception):
     exit_code = 2
 
 
-class InventoryError(RlmctlError):
-    pass
-
-
 class RunNotFound(RlmctlError):
     pass
+
+
+class GateRefused(RlmctlError):
+    """The cluster said no (a host failed the health gate, none could start): exit code 1 (a
+    check is critical), not a usage error."""
+
+    exit_code = 1

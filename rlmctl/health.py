@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clusterspec.inventory import Host
 from rlmctl.errors import RlmctlError
-from rlmctl.inventory import Host
 from rlmctl.remote import Fleet, Result, python_command
 
 OK, WARN, CRIT, UNKNOWN = "OK", "WARN", "CRIT", "UNKNOWN"

@@ -27,7 +27,12 @@ import subprocess
 import sys
 import time
 
-# The launcher shell survives SIGTERM (`trap :`) so that it can record torchrun's exit code.
+# The launcher shell survives SIGTERM (`trap :`) so that it can record how the attempt ended.
+# torchrun does not pass the trainer's exit code on (a failed worker makes it exit 1, and so
+# does a clean SIGTERM stop): the training environment's python takes the attempt's code from
+# the run directory (`python -m runcontract.attempt`: the trainer's own before torchrun's, into
+# hosts/<host>/exit.json) and the shell exits with it. Should that python fail, the shell records
+# torchrun's code itself and, if it is not 0, `launch_failed`: the run must not stay `launching`.
 WRAPPER = r"""
 "$@" &
 child=$!
@@ -36,8 +41,18 @@ while :; do
   wait "$child"; rc=$?
   kill -0 "$child" 2>/dev/null || break
 done
-printf '{"exit_code": %d, "time": %s}\n' "$rc" "$(date +%s)" > "$RLMCTL_EXIT_FILE.tmp"
+if [ -n "$RLMCTL_PYTHON" ] && code=$("$RLMCTL_PYTHON" -m runcontract.attempt \
+    "$RLMCTL_RUN" "$RLMCTL_HOST" "$rc") && [ -n "$code" ]; then
+  exit "$code"
+fi
+now=$(date +%s)
+printf '{"exit_code": %d, "time": %s}\n' "$rc" "$now" > "$RLMCTL_EXIT_FILE.tmp"
 mv "$RLMCTL_EXIT_FILE.tmp" "$RLMCTL_EXIT_FILE"
+if [ -n "$RLMCTL_PYTHON" ] && [ "$rc" != 0 ]; then
+  printf '{"event": "launch_failed", "time": %s, "exit_code": %d, "reason": "%s"}\n' \
+    "$now" "$rc" "torchrun ended with $rc; the training environment could not record it" \
+    >> "$RLMCTL_RUN/events.jsonl"
+fi
 exit "$rc"
 """
 
@@ -134,6 +149,8 @@ def start(cfg):
     env = dict(os.environ)
     env.update(cfg["env"])
     env["RLMCTL_EXIT_FILE"] = cfg["exit_file"]
+    if cfg.get("python"):  # the training environment's, which ends the attempt
+        env["RLMCTL_PYTHON"] = cfg["python"]
     with contextlib.suppress(FileNotFoundError):
         os.remove(cfg["exit_file"])
     launcher = ["/bin/sh", "-c", WRAPPER, "rlmctl-launcher", *cfg["argv"]]

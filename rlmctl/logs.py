@@ -1,4 +1,5 @@
-"""Launcher logs of a run, read from the run directory on the shared filesystem."""
+"""Launcher logs of a run, read from the run directory on the shared filesystem (which files:
+the backend's `log_paths`)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,7 @@ from collections import deque
 from pathlib import Path
 from typing import TextIO
 
-from rlmctl.errors import RlmctlError
-from rlmctl.registry import Registry
-from trainer.rundir import RunDir
-
 FOLLOW_POLL_S = 0.5
-
-
-def log_paths(registry: Registry, run: str, host: str | None) -> dict[str, Path]:
-    run_dir = RunDir(registry.run(run)["run_dir"])
-    hosts = [h["host"] for h in registry.hosts(run)]
-    if not hosts and host is None:  # a Slurm job: one output file per job (all its nodes)
-        return {p.stem: p for p in sorted(run_dir.path.glob("slurm-*.out"))}
-    if host is not None:
-        if host not in hosts:
-            raise RlmctlError(f"run {run} has no host {host!r}; its hosts: {', '.join(hosts)}")
-        hosts = [host]
-    return {h: run_dir.launcher_log_path(h) for h in hosts}
 
 
 def show(paths: dict[str, Path], lines: int, follow: bool, out: TextIO) -> None:

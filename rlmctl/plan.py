@@ -13,11 +13,14 @@ block's input and recomputes one block at a time. The rule of thumb `params × 4
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rlmctl import layouts
 from rlmctl.errors import RlmctlError
 from rlmctl.records import MemoryEstimate, Plan
+from runcontract.config import Config, ModelConfig, model_config
+from runcontract.errors import UserError
 
 BYTES_STATIC_PER_PARAM = 16  # fp32 weights + fp32 grads + AdamW m and v
 BF16 = 2
@@ -26,26 +29,14 @@ RESERVED_GIB = 2.0
 
 
 def shape(preset: str | None, params: float | None, seq_len: int | None) -> dict[str, Any]:
-    """The model's shape from a preset (imports trainer.model, i.e. torch) or a parameter count
-    (a Huginn-like shape is assumed for activations)."""
+    """The model's shape from a preset or a parameter count (a Huginn-like shape is assumed
+    for activations)."""
     if preset is not None:
-        from trainer.errors import UserError
-        from trainer.model import model_config
-
         try:
             cfg = model_config(preset)
         except UserError as error:
             raise RlmctlError(str(error)) from None
-        return {
-            "name": preset,
-            "params": param_count(cfg),
-            "d_model": cfg.d_model,
-            "mlp_hidden": cfg.mlp_hidden,
-            "vocab": cfg.vocab_size,
-            "stored_blocks": cfg.n_prelude + cfg.n_coda + cfg.n_core * cfg.backprop_depth,
-            "n_core": cfg.n_core,
-            "seq_len": seq_len or cfg.max_seq_len,
-        }
+        return model_shape(cfg, preset, seq_len)
     if params is None:
         raise RlmctlError("give --model PRESET or --params N (e.g. --params 3.5e9)")
     if not math.isfinite(params) or params < 1:
@@ -60,6 +51,20 @@ def shape(preset: str | None, params: float | None, seq_len: int | None) -> dict
         "vocab": 65536,
         "stored_blocks": 2 + 2 + 4 * 8,
         "seq_len": seq_len or 4096,
+    }
+
+
+def model_shape(cfg: ModelConfig, name: str, seq_len: int | None = None) -> dict[str, Any]:
+    """What the estimate needs of a model config (the sequence length: its max_seq_len)."""
+    return {
+        "name": name,
+        "params": param_count(cfg),
+        "d_model": cfg.d_model,
+        "mlp_hidden": cfg.mlp_hidden,
+        "vocab": cfg.vocab_size,
+        "stored_blocks": cfg.n_prelude + cfg.n_coda + cfg.n_core * cfg.backprop_depth,
+        "n_core": cfg.n_core,
+        "seq_len": seq_len or cfg.max_seq_len,
     }
 
 
@@ -82,6 +87,10 @@ def activation_bytes(model: dict[str, Any], micro_batch: int, checkpointing: boo
     return model["stored_blocks"] * per_block + logits
 
 
+def usable_bytes(gpu_mem_gib: float) -> float:
+    return gpu_mem_gib * 2**30 * USABLE_FRACTION - RESERVED_GIB * 2**30
+
+
 def estimate(
     preset: str | None,
     params: float | None,
@@ -102,7 +111,7 @@ def estimate(
     if seq_len is not None and seq_len < 1:
         raise RlmctlError(f"--seq-len {seq_len} must be a positive token count, e.g. 4096")
     model = shape(preset, params, seq_len)
-    usable = gpu_mem_gib * 2**30 * USABLE_FRACTION - RESERVED_GIB * 2**30
+    usable = usable_bytes(gpu_mem_gib)
     static = model["params"] * BYTES_STATIC_PER_PARAM
     rows = []
     for checkpointing in (False, True):
@@ -138,4 +147,71 @@ def estimate(
         gpus=gpus,
         gpus_per_node=gpus_per_node,
         estimates=rows,
+    )
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A config's memory per GPU in its own layout, against what the GPUs have."""
+
+    layout: str
+    per_gpu_gib: float
+    usable_gib: float
+    problem: str | None  # why it cannot fit and which layout would; None when it fits
+
+
+def layout_of(cfg: Config, gpus: int, gpus_per_node: int) -> str:
+    """The rlmctl/layouts.py name of the config's parallel section on `gpus` GPUs."""
+    if cfg.parallel.strategy == "ddp":
+        return "ddp"
+    if cfg.parallel.offload:
+        return "offload"
+    return "hsdp" if cfg.parallel.strategy == "hsdp" and gpus > gpus_per_node else "fsdp"
+
+
+SETTINGS = {
+    "ddp": "parallel.strategy=ddp",
+    "hsdp": "parallel.strategy=hsdp",
+    "fsdp": "parallel.strategy=fsdp",
+    "offload": "parallel.strategy=fsdp parallel.offload=true",
+}
+
+
+def config_fit(cfg: Config, gpus: int, gpus_per_node: int, gpu_mem_gib: float) -> Fit:
+    """The estimate of `estimate` for a trainer config as it would run on `gpus` GPUs of
+    `gpu_mem_gib` each (its model, micro-batch, activation checkpointing and layout; the
+    sequence length is model.max_seq_len), and when it does not fit, the cheapest layout that
+    does: the same activation checkpointing first, then with it on."""
+    model = model_shape(cfg.model, cfg.preset)
+    usable = usable_bytes(gpu_mem_gib)
+    micro, checkpointing = cfg.train.micro_batch, cfg.model.activation_checkpointing
+    mine = layout_of(cfg, gpus, gpus_per_node)
+    need = layouts.per_gpu(
+        model, activation_bytes(model, micro, checkpointing), gpus, gpus_per_node
+    )
+    fit = Fit(mine, need[mine] / 2**30, usable / 2**30, None)
+    if need[mine] <= usable:
+        return fit
+    what = (
+        f"{SETTINGS[mine]}, train.micro_batch={micro}, model.activation_checkpointing="
+        f"{str(checkpointing).lower()}"
+    )
+    said = (
+        f"the memory estimate of model {model['name']} with {what} is {fit.per_gpu_gib:.1f} GiB "
+        f"per GPU, more than the {fit.usable_gib:.1f} GiB usable of {gpu_mem_gib:g} GiB "
+        "(rlm_gpu_memory_gib)"
+    )
+    for with_ac in sorted({checkpointing, True}):
+        act = activation_bytes(model, micro, with_ac)
+        choice = layouts.choose(model, act, gpus, gpus_per_node, usable)
+        if choice.pick is not None:
+            fix = SETTINGS[choice.pick]
+            if with_ac and not checkpointing:
+                fix += " model.activation_checkpointing=true"
+            size = choice.per_gpu_gib[choice.pick]
+            return replace(fit, problem=f"{said}; {fix} fits ({size:.1f} GiB per GPU on {gpus})")
+    return replace(
+        fit,
+        problem=f"{said}; no layout fits on {gpus} GPU(s): use more nodes or a smaller "
+        f"train.micro_batch (rlmctl plan --model {model['name']} --gpu-mem {gpu_mem_gib:g})",
     )

@@ -1,7 +1,7 @@
 """What rlmctl commands return: typed records, turned into tables or JSON by rlmctl.render.
 
-The command functions (rlmctl.launch, rlmctl.supervise, ...) build these and never print; the
-CLI picks a rendering. Run states are trainer.rundir.RunState, the one state machine.
+The command functions (rlmctl.lifecycle and the backends) build these and never print; the
+CLI picks a rendering. Run states are runcontract.states.RunState, the one state machine.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from trainer.rundir import RunState
+from runcontract.states import RunState
 
 
 def as_dict(record: Any) -> Any:
@@ -58,7 +58,7 @@ class RunStatus:
     updated: float | None
     exit_code: int | None
     checkpoint: CheckpointRow | None
-    restarts: int  # trainer starts after the first one (trainer.rundir.RunDir.restarts)
+    restarts: int  # trainer starts after the first one (runcontract.rundir.RunDir.restarts)
     problem: str | None = None  # what the processes say against the state of record
     # rlm_scheduler slurm: the run's job as Slurm reports it (job_id, state, exit_code, nodes).
     slurm: dict[str, str] | None = None

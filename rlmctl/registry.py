@@ -1,6 +1,6 @@
 """The run registry: an index from run names to run directories and the hosts they ran on.
 
-A run's state, events and restarts live in its run directory (trainer.rundir), not here: the
+A run's state, events and restarts live in its run directory (runcontract.rundir), not here: the
 registry can be rebuilt from the run directories at any time (`rlmctl reindex`), and a read
 command opens it read-only. One SQLite file in the run root
 (`<rlm_shared_dir>/runs/registry.sqlite`) so that every operator on every login node sees the same
@@ -256,6 +256,26 @@ class Registry:
         assert launch_id is not None
         return launch_id
 
+    def complete_launch(
+        self,
+        launch_id: int,
+        processes: list[dict[str, Any]],
+        rdzv_id: str,
+        rdzv_endpoint: str,
+    ) -> None:
+        """What a launch recorded beforehand (`record_launch` with the hosts it goes to) did
+        start: each host's PID/PGID, the rendezvous id (or Slurm job id) and endpoint."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE launches SET rdzv_id = ?, rdzv_endpoint = ? WHERE id = ?",
+                (rdzv_id, rdzv_endpoint, launch_id),
+            )
+            for p in processes:
+                db.execute(
+                    "UPDATE hosts SET pid = ?, pgid = ? WHERE launch_id = ? AND host = ?",
+                    (p.get("pid"), p.get("pgid"), launch_id, p["host"]),
+                )
+
     def hosts(self, run: str, current_only: bool = True) -> list[dict[str, Any]]:
         query = "SELECT * FROM hosts WHERE run = ?"
         if current_only:
@@ -270,7 +290,7 @@ class Registry:
 def reindex(registry: Registry, runs_root: Path) -> list[str]:
     """Add every run directory under `runs_root` that the registry lacks, with the hosts of its
     newest launch (hosts/<host>/launch.json); the names added."""
-    from trainer.rundir import RunDir, read_json
+    from runcontract.rundir import RunDir, read_json
 
     known = {r["name"] for r in registry.runs()}
     added = []

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlmctl.inventory import Host
+from clusterspec.inventory import Host
 
 DEFAULT_FORKS = 128
 DEFAULT_TIMEOUT_S = 60.0

@@ -24,8 +24,8 @@ import re
 import shlex
 from pathlib import Path
 
+from clusterspec.inventory import Host
 from rlmctl.errors import RlmctlError
-from rlmctl.inventory import Host
 
 # Slurm's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
@@ -122,9 +122,10 @@ def render(
 # directory (written by the job's batch script). The record tells `rlmctl watch` where a job
 # failed first; this wrapper is not the trainer's command line, so it outlives a killed trainer.
 # Slurm signals the task (this process), not its children: SIGTERM is passed on to torchrun,
-# which passes it on to its workers.
-import os, signal, subprocess, sys, time
-from trainer.rundir import RunDir, write_json_atomic
+# which passes it on to its workers. It exits with the attempt's exit code (RunDir.end_attempt:
+# the trainer's own, which torchrun does not pass on), and so does srun, and the job.
+import os, signal, subprocess, sys
+from runcontract.rundir import RunDir
 
 env = os.environ
 argv = [sys.executable, *{torchrun!r}]
@@ -146,11 +147,10 @@ def forward(signum, frame):
 signal.signal(signal.SIGTERM, forward)
 code = child.wait()
 code = 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell says
-record = {{"exit_code": code, "time": time.time(), "job_id": env["SLURM_JOB_ID"],
-          "signalled": signalled}}
-path = RunDir(env["RUN_DIR"]).exit_record_path(env["SLURMD_NODENAME"])
-path.parent.mkdir(parents=True, exist_ok=True)
-write_json_atomic(path, record)
+run = RunDir(env["RUN_DIR"])
+code = run.end_attempt(
+    env["SLURMD_NODENAME"], code, job_id=env["SLURM_JOB_ID"], signalled=signalled
+)
 sys.exit(code)
 """
     return f"""#!/bin/bash
@@ -161,6 +161,14 @@ RUN_DIR={q(run_dir)}
 mkdir -p "$RUN_DIR"
 {resume}{exports}export PYTHONUNBUFFERED=1 RUN_DIR{" RLM_RESUME" if resume_from else ""}
 job_started=$(date +%s)
+if [ "${{SLURM_RESTART_COUNT:-0}}" != 0 ]; then
+  # Back from the queue: a new attempt of the run (rlmctl recorded the first one).
+  {q(host.python)} -c 'import sys; from runcontract.rundir import RunDir
+from runcontract.states import EventKind
+RunDir(sys.argv[1]).record(EventKind.LAUNCHED, launch="requeue", scheduler="slurm",
+                           job_id=sys.argv[2], restart=int(sys.argv[3]))' \
+    "$RUN_DIR" "$SLURM_JOB_ID" "$SLURM_RESTART_COUNT" || true
+fi
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export head_node
 node_script="$RUN_DIR/slurm-node.py"
@@ -200,10 +208,11 @@ set -e
 # How the trainer ended: "asked" (an operator's `rlmctl stop`, recorded before its signal),
 # "requeue" (stopped on the time-limit or preemption signal after a checkpoint: back to the
 # queue, to resume from it) or "end".
-outcome=$({q(host.python)} -c 'import sys; from trainer.rundir import RunDir, stopped_before_end
+outcome=$({q(host.python)} -c 'import sys; from runcontract.rundir import RunDir
+from runcontract.states import EventKind
 run = RunDir(sys.argv[1])
-asked = any(e.kind == "stop_requested" and e.time >= float(sys.argv[2]) for e in run.events())
-early = sys.argv[3] == "true" and stopped_before_end(run.read_status())
+asked = any(e.kind == EventKind.STOP_REQUESTED and e.time >= float(sys.argv[2]) for e in run.events())
+early = sys.argv[3] == "true" and run.status().stopped_before_end
 print("asked" if asked else "requeue" if early else "end")' "$RUN_DIR" "$job_started" "$limit_signal")
 if [ "$outcome" = asked ]; then
   scancel "$SLURM_JOB_ID"  # the trainer has checkpointed: the job ends CANCELLED, not requeued

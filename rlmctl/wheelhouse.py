@@ -39,7 +39,7 @@ from clusterspec import wheelhouse as spec
 from rlmctl.errors import RlmctlError
 
 SOURCE_TREE = Path(__file__).resolve().parents[1]
-BUNDLE_PACKAGES = ("trainer", "rlmctl", "monitoring", "clusterspec")
+BUNDLE_PACKAGES = ("runcontract", "trainer", "rlmctl", "monitoring", "clusterspec")
 BUNDLE_FILES = ("pyproject.toml", "README.md")
 PIP_TIMEOUT_S = 3600
 PIP = (sys.executable, "-m", "pip")

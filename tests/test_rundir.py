@@ -5,18 +5,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from trainer.rundir import (
-    ExitCode,
+import pytest
+
+from runcontract.exitcodes import ExitCode, attempt_exit_code, restartable
+from runcontract.records import stopped_before_end
+from runcontract.rundir import (
     RunDir,
     checkpoint_dir_name,
     read_json,
     read_jsonl,
-    stopped_before_end,
     verify_checkpoint,
+    write_json_atomic,
     write_manifest,
 )
+from runcontract.states import EventKind, RunState
 
 
 def make_checkpoint(run: RunDir, step: int, payload: bytes = b"weights") -> Path:
@@ -30,7 +35,9 @@ def make_checkpoint(run: RunDir, step: int, payload: bytes = b"weights") -> Path
 
 
 def test_rundir_module_does_not_import_torch() -> None:
-    code = "import sys, trainer.rundir, trainer.errors; print('torch' in sys.modules)"
+    code = (
+        "import sys, trainer.rundir, trainer.errors, trainer.config; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -117,3 +124,67 @@ def test_a_stop_before_the_last_step_is_resumable() -> None:
     assert not stopped_before_end({"state": "done", "step": 100, "max_steps": 100})
     assert not stopped_before_end({"state": "stopped", "step": 40})
     assert not stopped_before_end({})
+
+
+def test_the_one_ranking_of_an_attempts_exit_codes() -> None:
+    # Nothing ended yet; launchers only; the first failing launcher.
+    assert attempt_exit_code([], []) is None
+    assert attempt_exit_code([], [0, 0]) == 0
+    assert attempt_exit_code([], [0, 137, 1]) == 137
+    # The trainer's own code beats torchrun's 1 (a data error; a clean SIGTERM stop) ...
+    assert attempt_exit_code([3], [1, 1]) == 3
+    assert attempt_exit_code([0], [1]) == 0
+    assert attempt_exit_code([0, 2], [1]) == 2  # the newest word of the attempt
+    # ... but a launcher killed by a signal beats a rank 0 that stopped cleanly after it.
+    assert attempt_exit_code([0], [1, 137]) == 137
+    assert restartable(None) and restartable(1) and restartable(137)
+    assert not restartable(0) and not restartable(2) and not restartable(3)
+
+
+def test_the_exit_code_of_a_run_directorys_newest_attempt(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "r").create()
+    run.append_event(EventKind.EXIT, exit_code=3, state="failed")  # an earlier attempt's
+    run.append_event(EventKind.LAUNCHED, launch="resume")
+    assert run.attempt_exit_code() is None
+    run.host_dir("n1").mkdir(parents=True)
+    write_json_atomic(run.exit_record_path("n1"), {"exit_code": 1, "time": time.time()})
+    assert run.attempt_exit_code() == 1
+    run.append_event(EventKind.START_REFUSED, exit_code=2, reason="bad checkpoint.resume")
+    assert run.attempt_exit_code() == 2 and run.attempt_exit_codes() == [2]
+
+
+def test_end_attempt_takes_the_trainers_code_and_never_leaves_the_run_launching(
+    tmp_path: Path,
+) -> None:
+    refused = RunDir(tmp_path / "refused").create()
+    refused.append_event(EventKind.LAUNCHED, launch="launch")
+    refused.append_event(EventKind.START_REFUSED, exit_code=3, reason="data missing")
+    assert refused.state() is RunState.LAUNCHING  # a refused start moves nothing itself
+    assert refused.end_attempt("n1", 1) == 3
+    record = read_json(refused.exit_record_path("n1"))
+    assert record["exit_code"] == 3 and record["launcher_exit_code"] == 1
+    assert refused.state() is RunState.FAILED
+    # A clean stop: the trainer said 0 (stopped), torchrun 1 on its SIGTERM.
+    stopped = RunDir(tmp_path / "stopped").create()
+    stopped.append_event(EventKind.LAUNCHED, launch="launch")
+    stopped.append_event(EventKind.START, step=0)
+    stopped.append_event(EventKind.EXIT, exit_code=0, state="stopped", step=7)
+    assert stopped.end_attempt("n1", 1) == 0 and stopped.state() is RunState.STOPPED
+    # A resume of a done run that fails never undoes `done`.
+    done = RunDir(tmp_path / "done").create()
+    done.append_event(EventKind.START, step=0)
+    done.append_event(EventKind.EXIT, exit_code=0, state="done", step=20)
+    done.append_event(EventKind.START_REFUSED, exit_code=2, reason="bad config")
+    assert done.end_attempt("n1", 1) == 2 and done.state() is RunState.DONE
+
+
+def test_typed_writers_refuse_what_the_contract_does_not_know(tmp_path: Path) -> None:
+    run = RunDir(tmp_path).create()
+    with pytest.raises(ValueError):
+        run.write_status(state="sleeping", step=1)
+    with pytest.raises(TypeError):
+        run.write_status(state=RunState.RUNNING, stepp=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError):
+        run.append_event("launch")  # type: ignore[arg-type]
+    written = run.write_status(state=RunState.RUNNING, step=3, loss=2.5)
+    assert run.status() == written and run.read_status()["state"] == "running"

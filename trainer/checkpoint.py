@@ -29,11 +29,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from runcontract.config import CheckpointConfig as CheckpointConfig
 from trainer import sharded_checkpoint
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.hashed_write import HashingWriter, without_zip_crc32
@@ -92,51 +93,6 @@ class CheckpointError(UserError):
     """A save failed with `checkpoint.on_error=stop`: exit 1, a restart may succeed."""
 
     exit_code = ExitCode.FAILED
-
-
-@dataclass
-class CheckpointConfig:
-    interval_steps: int = 1000  # save every N optimizer steps (and on SIGTERM / at the end)
-    keep_last: int = 3  # newest valid checkpoints kept; 0 keeps every checkpoint
-    keep_every: int = 0  # also keep steps divisible by this as milestones; 0 = no milestones
-    async_save: bool = False  # copy state to host memory, write in a background thread
-    verify: Literal["size", "full"] = "size"  # resume check: file sizes, or sizes + sha256
-    on_error: Literal["continue", "stop"] = "continue"  # a failed save: keep training, or exit 1
-    resume: str = "auto"  # auto (newest valid), never, or a checkpoint directory
-    min_free_bytes: int = 0  # free space to leave on the filesystem after a save
-    format: Literal["full", "sharded"] = "full"  # one file per concern by rank 0, or DCP shards
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ConfigError with one line naming the first invalid field."""
-        for name in ("interval_steps", "keep_last", "keep_every", "min_free_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"checkpoint.{name} must be an integer, got {value!r}")
-        if self.interval_steps < 1:
-            raise ConfigError(f"checkpoint.interval_steps must be >= 1, got {self.interval_steps}")
-        for name in ("keep_last", "keep_every", "min_free_bytes"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"checkpoint.{name} must be >= 0, got {getattr(self, name)}")
-        if not isinstance(self.async_save, bool):
-            raise ConfigError(
-                f"checkpoint.async_save must be true or false, got {self.async_save!r}"
-            )
-        if self.format not in ("full", "sharded"):
-            raise ConfigError(f"checkpoint.format must be full or sharded, got {self.format!r}")
-        if self.verify not in ("size", "full"):
-            raise ConfigError(f"checkpoint.verify must be size or full, got {self.verify!r}")
-        if self.on_error not in ("continue", "stop"):
-            raise ConfigError(
-                f"checkpoint.on_error must be continue or stop, got {self.on_error!r}"
-            )
-        if not isinstance(self.resume, str) or not self.resume.strip():
-            raise ConfigError(
-                "checkpoint.resume must be auto, never or a checkpoint directory, "
-                f"got {self.resume!r}"
-            )
 
 
 def state_nbytes(obj: Any) -> int:

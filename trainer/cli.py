@@ -130,21 +130,35 @@ def export(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (step-XXXXXXXX).")],
     out: Annotated[Path, typer.Argument(help="New directory for safetensors + config.")],
 ) -> None:
-    """Export a checkpoint in the published Hugging Face layout (config.json, safetensors)."""
+    """Export a checkpoint in the Hugging Face layout that transformers and the published code
+    load (config.json, safetensors, modelling code, tokenizer)."""
     from trainer.export import export_checkpoint
 
-    typer.echo(f"exported to {export_checkpoint(checkpoint, out)}")
+    notes: list[str] = []
+    path = export_checkpoint(checkpoint, out, notes=notes)
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
+    typer.echo(f"exported to {path}")
 
 
 @app.command("import-hf")
 def import_hf(
     hf_dir: Annotated[Path, typer.Argument(help="Directory in the published Huginn HF layout.")],
     run_dir: Annotated[Path, typer.Argument(help="Run directory to create the checkpoint in.")],
+    checkpoint_format: Annotated[
+        str,
+        typer.Option(
+            "--format", help="full (model.pt) or sharded (DCP, checkpoint.format=sharded)."
+        ),
+    ] = "full",
 ) -> None:
     """Import published weights as a step-0 checkpoint that `train` and `generate` use."""
     from trainer.export import import_hf as import_weights
 
-    path = import_weights(hf_dir, run_dir)
+    notes: list[str] = []
+    path = import_weights(hf_dir, run_dir, checkpoint_format, notes)
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
     typer.echo(f"imported {hf_dir} as {path}; continue with `train ... run_dir={run_dir}`")
 
 

@@ -22,11 +22,12 @@ import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
+from runcontract.config import DataConfig as DataConfig
 from trainer.corpus import NORMALIZATION, Corpus, Document, read_corpus
 from trainer.errors import ConfigError, DataError
 from trainer.rundir import read_json, sha256_file, write_json_atomic
@@ -404,14 +405,6 @@ def _token_stats(tok: Any, counts: np.ndarray, characters: int) -> dict[str, Any
 # ------------------------------------------------------------------------------------------------
 # loading
 # ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DataConfig:
-    path: str = ".demo/data"  # a directory written by `python -m trainer prepare`
-    split: str = "train"
-    # size: every shard's size at open (always); full: also its sha256 (reads every byte once)
-    verify: Literal["size", "full"] = "size"
 
 
 @dataclass(frozen=True)

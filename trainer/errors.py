@@ -1,19 +1,7 @@
-"""Errors the user can fix: printed as one line, never as a traceback."""
+"""Errors the user can fix: moved to `runcontract.errors`; importable from here too."""
 
 from __future__ import annotations
 
-from trainer.rundir import ExitCode
-
-
-class UserError(Exception):
-    """A problem with the user's input; `str(error)` says what is wrong and how to fix it."""
-
-    exit_code: ExitCode = ExitCode.BAD_CONFIG
-
-
-class ConfigError(UserError):
-    exit_code = ExitCode.BAD_CONFIG
-
-
-class DataError(UserError):
-    exit_code = ExitCode.DATA_ERROR
+from runcontract.errors import ConfigError as ConfigError
+from runcontract.errors import DataError as DataError
+from runcontract.errors import UserError as UserError

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -27,104 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.errors import ConfigError
-
-# Annotations are strings under `from __future__ import annotations`; bool is checked apart
-# because isinstance(True, int) holds.
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool}
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int
-    d_model: int
-    n_heads: int
-    mlp_hidden: int
-    n_prelude: int
-    n_core: int
-    n_coda: int
-    max_seq_len: int
-    rope_base: float = 50000.0
-    mean_recurrence: int = 32
-    recurrence_sigma: float = 0.5
-    backprop_depth: int = 8
-    norm_eps: float = 1e-6
-    activation_checkpointing: bool = False
-    compile: bool = False
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def effective_depth(self) -> int:
-        """Blocks executed per token at the mean depth; scales the output-projection init."""
-        return self.n_prelude + self.n_coda + self.n_core * self.mean_recurrence
-
-    def validate(self) -> None:
-        """Raise ConfigError with one line naming the first invalid field."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            wanted = _FIELD_TYPES[f.type]
-            if isinstance(value, bool) is not (f.type == "bool") or not isinstance(value, wanted):
-                raise ConfigError(f"model.{f.name} must be {f.type}, got {value!r}")
-        positive = ("vocab_size", "d_model", "n_heads", "mlp_hidden", "n_core", "max_seq_len")
-        positive += ("mean_recurrence", "rope_base", "norm_eps")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("n_prelude", "n_coda", "backprop_depth", "recurrence_sigma"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(
-                f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE; "
-                "change model.d_model or model.n_heads"
-            )
-
-
-# fmt: off
-PRESETS: dict[str, ModelConfig] = {
-    # CPU unit tests: a forward+backward takes milliseconds.
-    "tiny": ModelConfig(
-        vocab_size=4096, d_model=64, n_heads=4, mlp_hidden=176, n_prelude=1, n_core=2, n_coda=1,
-        max_seq_len=128, mean_recurrence=4, backprop_depth=2,
-    ),
-    # CPU benchmark and demo runs.
-    "small": ModelConfig(
-        vocab_size=4096, d_model=256, n_heads=8, mlp_hidden=704, n_prelude=2, n_core=2, n_coda=2,
-        max_seq_len=256, mean_recurrence=4, backprop_depth=4,
-    ),
-    # ≈1.0 B parameters: a single-node smoke test of the real pipeline.
-    "1b": ModelConfig(
-        vocab_size=65536, d_model=2560, n_heads=20, mlp_hidden=6912, n_prelude=2, n_core=6,
-        n_coda=2, max_seq_len=4096, mean_recurrence=32, backprop_depth=8,
-    ),
-    # The published Huginn-3.5B shape.
-    "huginn-3.5b": ModelConfig(
-        vocab_size=65536, d_model=5280, n_heads=55, mlp_hidden=17920, n_prelude=2, n_core=4,
-        n_coda=2, max_seq_len=4096, mean_recurrence=32, backprop_depth=8,
-    ),
-}
-# fmt: on
-
-
-def model_config(preset: str, **overrides: object) -> ModelConfig:
-    """A preset with some fields replaced; unknown presets or fields raise ConfigError."""
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown model preset {preset!r}; valid presets: {', '.join(PRESETS)}")
-    names = [f.name for f in fields(ModelConfig)]
-    unknown = sorted(set(overrides) - set(names))
-    if unknown:
-        raise ConfigError(f"unknown model field(s) {', '.join(unknown)}; valid: {', '.join(names)}")
-    return replace(PRESETS[preset], **overrides)
+# The schema lives in the run contract; these names stay importable from here.
+from runcontract.config import PRESETS as PRESETS
+from runcontract.config import ModelConfig as ModelConfig
+from runcontract.config import model_config as model_config
+from runcontract.errors import ConfigError
 
 
 def sample_recurrence(

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -72,7 +72,10 @@ def apply_tensor_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if state["optimizer"]:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    else:  # an imported checkpoint (weights only): the optimizer starts fresh, without the
+        optimizer.state.clear()  # zero-gradient step by which `tensor_state` built its template
 
 
 class _HashingFileSystem(FileSystem):
@@ -160,6 +163,9 @@ def read_shards(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Fill `template` (from `tensor_state`) from the checkpoint at `path`; each rank reads the
     parts of the files its own shards need."""
     group = None if not dist.is_initialized() else dist.group.WORLD
+    stored = FileSystemReader(path / DCP_DIR).read_metadata().state_dict_metadata
+    if not any(key.startswith("optimizer.") for key in stored):  # `import-hf --format sharded`
+        template = {**template, "optimizer": {}}  # weights only
     dcp.load(template, checkpoint_id=str(path / DCP_DIR), process_group=group)
     return template
 

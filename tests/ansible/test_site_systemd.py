@@ -33,8 +33,8 @@ import pytest
 import yaml
 
 from rlmctl import hostproc
+from rlmctl.backend_ssh import host_start_config
 from rlmctl.inventory import load as load_inventory
-from rlmctl.launch import host_start_config
 from tests.ansible.playbook_run import REPO, PlaybookRun, run_playbook, write_inventory
 from tests.ansible.rig_site import VENV, connect, connect_from_real_host
 from tests.ansible.systemd_site import (

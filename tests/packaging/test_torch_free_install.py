@@ -1,5 +1,7 @@
 """`pip install rlm-ops` (no extras) into a fresh venv: rlmctl and rlm-exporter work there, and
-torch is neither installed nor ever imported.
+torch is neither installed nor ever imported. `rlmctl launch` validates a config with the
+trainer's own parser (runcontract.config), `plan` sizes a preset and `slurm` renders a batch
+script on such a controller.
 
 A stand-in `torch` package on PYTHONPATH records every attempt to import it (and fails it), so a
 lazy import hidden behind a caught ImportError is caught too.
@@ -11,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import venv
 from pathlib import Path
 
@@ -23,7 +26,7 @@ def source_copy(dest: Path) -> Path:
     """The packaged files only: an in-tree build/ of an earlier install must not leak in."""
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, dest / name)
-    for package in ("rlmctl", "trainer", "monitoring", "clusterspec"):
+    for package in ("runcontract", "rlmctl", "trainer", "monitoring", "clusterspec"):
         shutil.copytree(
             REPO / package, dest / package, ignore=shutil.ignore_patterns("__pycache__")
         )
@@ -106,3 +109,47 @@ def test_exporter_once_without_torch(plain_install: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert 'rlm_run_step{run="run-a"} 7.0' in result.stdout
+
+
+def test_launch_plan_and_slurm_without_torch(plain_install: Path) -> None:
+    """Once `launch` and `plan --model` imported the trainer's config (and with it torch) and
+    failed on a controller without `[train]`."""
+    shared = plain_install / "shared-launch"
+    shared.mkdir(exist_ok=True)
+    inventory = plain_install / "launch-inventory.yml"
+    # The hosts' training environment is elsewhere: this controller has none, and the launched
+    # trainer (which would import torch) cannot start here.
+    inventory.write_text(
+        "all:\n  hosts:\n    localhost:\n  vars:\n    ansible_connection: local\n"
+        f"    rlm_gpu_vendor: none\n    rlm_gpus_per_node: 1\n    rlm_shared_dir: {shared}\n"
+        "    rlm_venv: /nonexistent-training-venv\n",
+        encoding="utf-8",
+    )
+    config = str(REPO / "trainer/configs/tiny.yaml")
+    plan = run_without_torch(plain_install, "rlmctl", "plan", "--model", "huginn-3.5b")
+    assert plan.returncode == 0 and "huginn-3.5b" in plan.stdout, plan.stderr
+    slurm = run_without_torch(plain_install, "rlmctl", "-i", str(inventory), "slurm", "-c", config)
+    assert slurm.returncode == 0 and slurm.stdout.startswith("#!/bin/bash"), slurm.stderr
+    launch = ("rlmctl", "-i", str(inventory), "launch", "--config", config)
+    bad = run_without_torch(plain_install, *launch, "--name", "bad", "train.micro_batch=0")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: "), bad.stderr
+    assert "train.micro_batch" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (shared / "runs" / "bad").exists()
+    # --force: the gate finds no trainer environment on the host, which is the point here.
+    good = run_without_torch(plain_install, *launch, "--name", "nt", "--force", "train.steps=5")
+    assert good.returncode == 0, good.stderr
+    assert "launched nt on 1 host(s)" in good.stdout
+    assert "steps: 5" in (shared / "runs" / "nt" / "config.yaml").read_text(encoding="utf-8")
+    # No training python on the host: the launcher shell itself records the end of the attempt,
+    # so the run does not stay `launching`.
+    deadline = time.monotonic() + 60
+    while (state := run_state(plain_install, inventory, "nt")) != "failed":
+        assert time.monotonic() < deadline, f"run nt stayed {state}"
+        time.sleep(0.5)
+    record = json.loads((shared / "runs" / "nt" / "hosts" / "localhost" / "exit.json").read_text())
+    assert record["exit_code"] == 127, record  # sh: the venv's python is not there
+
+
+def run_state(root: Path, inventory: Path, run: str) -> str | None:
+    status = run_without_torch(root, "rlmctl", "-i", str(inventory), "status", run, "--json")
+    return json.loads(status.stdout)["state"]

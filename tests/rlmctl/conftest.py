@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -25,6 +28,18 @@ def rlmctl(*args: str, timeout: float = 120, env: dict[str, str] | None = None):
         env={**os.environ, **(env or {})},
         check=False,
     )
+
+
+T = TypeVar("T")
+
+
+def wait_for(condition: Callable[[], T], timeout: float, what: str) -> T:
+    """Poll `condition` until it is truthy (its value), failing naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.2)
+    return value
 
 
 def assert_one_line_error(result, exit_code: int, *fragments: str) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlmctl import accept
+from runcontract.rundir import RunDir, checkpoint_dir_name, write_manifest
 from tests.rlmctl.conftest import assert_one_line_error, rlmctl
-from trainer.rundir import RunDir, checkpoint_dir_name, write_manifest
 
 LIMITS = accept.thresholds(None)
 

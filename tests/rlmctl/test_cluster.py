@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from runcontract.rundir import RunDir
 from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
-from trainer.rundir import RunDir
 
 pytestmark = pytest.mark.rig
 
@@ -119,16 +119,26 @@ def test_unknown_host_key_is_one_clear_line(rig, tmp_path: Path) -> None:
     assert "node1" in lines[0] and f"ssh-keyscan -p 22 {rig.hosts[0].ip} >> {empty}" in lines[0]
 
 
+def registry_bytes(rig) -> bytes | None:
+    path = rig.shared_dir / "runs" / "registry.sqlite"
+    return path.read_bytes() if path.exists() else None
+
+
 def test_user_errors_are_one_line(rig, tmp_path: Path) -> None:
     inv = str(rig.inventory_path)
+    registry_before = registry_bytes(rig)
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [steps\n")
     assert_one_line_error(rlmctl("-i", inv, "launch", "--config", str(bad)), 2, "not valid YAML")
     config = str(REPO / "trainer/configs/tiny.yaml")
     result = rlmctl("-i", inv, "--limit", "node9", "launch", "--config", config)
     assert_one_line_error(result, 2, "node9")
-    assert_one_line_error(rlmctl("-i", inv, "status", "no-such-run"), 2, "no run 'no-such-run'")
-    assert not list((rig.shared_dir / "runs").glob("bad-*"))  # no run directory was created
+    # Refused launches write nothing: no run directory, and not even the registry (the first
+    # refused launch once created it).
+    assert not list((rig.shared_dir / "runs").glob("bad-*"))
+    assert registry_bytes(rig) == registry_before
+    # "no run 'no-such-run'", or "no run registry ... yet" before any launch on the rig
+    assert_one_line_error(rlmctl("-i", inv, "status", "no-such-run"), 2, "no run")
 
 
 def run_processes(rig, run_dir: Path) -> list[str]:

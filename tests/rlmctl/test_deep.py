@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from rlmctl import deep
-from rlmctl.allreduce import bus_bandwidth
 from tests.rlmctl.conftest import rlmctl
+from trainer.allreduce import bus_bandwidth
 
 # all_reduce_perf output in the nccl-tests format (columns and footer as described in facts.md).
 ALL_REDUCE_PERF = """\

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from clusterspec.inventory import load as load_inventory
 from rlmctl import hostproc
-from rlmctl.inventory import load as load_inventory
-from rlmctl.launch import host_start_config
-from trainer.rundir import RunDir, read_json
+from rlmctl.backend_ssh import host_start_config
+from runcontract.rundir import RunDir, read_json
 
 TREE = "setsid sleep 300 & echo worker $!; sleep 300"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlmctl import inventory
-from rlmctl.errors import InventoryError
+from clusterspec import inventory
+from clusterspec.inventory import InventoryError
 from tests.rlmctl.conftest import assert_one_line_error, rlmctl
 
 YAML = """

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from clusterspec.inventory import load
 from rlmctl import plan, slurm
-from rlmctl.inventory import load
+from runcontract.rundir import RunDir
+from runcontract.states import EventKind, RunState
 from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
-from trainer.rundir import RunDir
 
 
 def test_param_count_matches_the_real_model() -> None:
@@ -121,7 +122,7 @@ def test_slurm_script_requeues_only_a_run_stopped_by_the_time_limit_signal(
     bin_dir.mkdir()
     # While the job runs, `rlmctl stop` records its request (when asked) before signalling.
     record = (
-        f"{sys.executable} -c 'from trainer.rundir import RunDir; "
+        f"{sys.executable} -c 'from runcontract.rundir import RunDir; "
         f'RunDir("{run.path}").append_event("stop_requested")\'\n'
     )
     srun = "#!/bin/sh\n" + (record if asked else "")
@@ -195,6 +196,33 @@ def test_the_node_wrapper_records_its_torchruns_exit(
     assert record["exit_code"] == code and record["job_id"] == "7"
     assert record["signalled"] is signalled
     assert abs(record["time"] - time.time()) < 60
+
+
+@pytest.mark.parametrize(
+    ("said", "code"),
+    [
+        ({"event": "exit", "exit_code": 0, "state": "stopped", "step": 7}, 0),
+        ({"event": "start_refused", "exit_code": 3, "reason": "data missing"}, 3),
+    ],
+    ids=["clean-stop", "data-error"],
+)
+def test_the_node_wrapper_exits_with_the_trainers_own_code(
+    local_inventory: Path, tmp_path: Path, said: dict, code: int
+) -> None:
+    """torchrun exits 1 after a clean SIGTERM stop and for a worker's data error (3): the node
+    wrapper records and exits with the trainer's own code (so srun and the job do too), keeping
+    torchrun's as launcher_exit_code."""
+    wrapper = node_wrapper(local_inventory, tmp_path, "exit 1")
+    run = RunDir(tmp_path / "run").create()
+    run.append_event(EventKind.LAUNCHED, launch="launch", hosts=[], nodes=2)
+    run.append_event(EventKind(said.pop("event")), **said)
+    env = {**os.environ, "RUN_DIR": str(run.path), "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"}
+    env.update({"SLURM_JOB_NUM_NODES": "2", "head_node": "n1"})
+    node = subprocess.run([sys.executable, str(wrapper)], env=env, cwd=REPO, timeout=60)
+    assert node.returncode == code
+    record = json.loads(run.exit_record_path("n2").read_text())
+    assert record["exit_code"] == code and record["launcher_exit_code"] == 1, record
+    assert run.state() is not RunState.LAUNCHING
 
 
 def slurm_inventory(local_inventory: Path) -> Path:

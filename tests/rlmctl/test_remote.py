@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlmctl import inventory
+from clusterspec import inventory
 from rlmctl.remote import Fleet
 
 

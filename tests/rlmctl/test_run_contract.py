@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from rlmctl import inventory as inventory_module
-from rlmctl import launch as launching
+from clusterspec import inventory as inventory_module
+from rlmctl import lifecycle
+from rlmctl.backend import LaunchRequest
+from rlmctl.context import Context, Site
 from rlmctl.errors import RlmctlError, RunNotFound
 from rlmctl.registry import Registry
-from rlmctl.remote import Fleet
+from runcontract.rundir import RunDir, write_json_atomic
+from runcontract.states import EventKind, RunState
 from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
-from trainer.rundir import RunDir, RunState, write_json_atomic
 
 TINY = REPO / "trainer/configs/tiny.yaml"
 
@@ -37,7 +39,7 @@ def finished_run(local_inventory: Path, name: str, starts: int = 1) -> RunDir:
         registry.record_launch(name, "launch", [process], "rdzv", "127.0.0.1:29573")
     launch_record = {**process, "rdzv_id": "rdzv", "kind": "launch", "rdzv_endpoint": "x:1"}
     write_json_atomic(run.launch_record_path(host.name), launch_record)
-    run.record("launched", kind="launch", hosts=[host.name])
+    run.record(EventKind.LAUNCHED, kind="launch", hosts=[host.name])
     for _ in range(starts):
         run.append_event("start", step=0, world_size=2)
     run.append_event("exit", exit_code=0, state="done", step=20)
@@ -150,19 +152,19 @@ def test_duplicate_hosts_in_an_inventory_are_refused(tmp_path: Path) -> None:
 
 
 # launch ownership ---------------------------------------------------------------------------------
-def launch_in_process(local_inventory: Path, name: str, overrides: list[str], say) -> RunDir:
-    inv = inventory_module.load(local_inventory)
-    hosts = inv.select()
-    with Fleet(hosts) as fleet:
-        _, run, _ = launching.launch(fleet, inv, hosts, TINY, name, None, False, overrides, say)
-    return run
+def launch_in_process(
+    local_inventory: Path, name: str, overrides: list[str], say, on_step=None
+) -> RunDir:
+    with Context(Site(str(local_inventory))) as ctx:
+        request = LaunchRequest(TINY, overrides, name)
+        backend = lifecycle.backend_for(ctx)
+        launched = lifecycle.launch(ctx, backend, request, say, on_step)
+    return RunDir(launched.run_dir)
 
 
 def stop_everything(local_inventory: Path, name: str) -> None:
-    inv = inventory_module.load(local_inventory)
-    hosts = inv.select()
-    with Registry(hosts[0].runs_dir / "registry.sqlite") as registry, Fleet(hosts) as fleet:
-        launching.stop(fleet, registry, name, timeout=5)
+    with Context(Site(str(local_inventory))) as ctx:
+        lifecycle.stop(ctx, lifecycle.backend_for(ctx), name, timeout=5)
 
 
 def test_concurrent_launches_of_one_name_leave_the_winner_intact(local_inventory: Path) -> None:
@@ -234,10 +236,10 @@ def test_concurrent_exclusive_creates_have_one_winner(tmp_path: Path) -> None:
 
 def test_state_is_recorded_in_the_run_directory(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "r").create()
-    assert run.record("launched", kind="launch")
+    assert run.record(EventKind.LAUNCHED, kind="launch")
     run.append_event("start", step=0)
     assert run.state() is RunState.RUNNING
     run.append_event("exit", state="done", exit_code=0, step=20)
-    assert not run.record("stop_requested") and not run.record("stopped")
+    assert not run.record(EventKind.STOP_REQUESTED) and not run.record(EventKind.STOPPED)
     run.append_event("exit", state="failed", exit_code=2, step=0)  # a failed resume
     assert run.state() is RunState.DONE

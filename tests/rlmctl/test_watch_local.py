@@ -7,37 +7,47 @@ import sys
 import time
 from pathlib import Path
 
-from rlmctl import inventory
-from rlmctl.launch import hostproc_command, parse_json_result, processes
+from clusterspec import inventory
+from rlmctl.backend_ssh import Backend, hostproc_command, parse_json_result
+from rlmctl.context import Context, Site
 from rlmctl.registry import Registry
 from rlmctl.remote import Fleet
+from runcontract.rundir import RunDir
+from runcontract.states import EventKind, RunState
 from tests.rlmctl.conftest import rlmctl
-from trainer.rundir import RunDir, RunState
 
 
-def start_standin(local_inventory: Path, name: str, argv: list[str]) -> tuple[Registry, RunDir]:
+def start_standin(
+    local_inventory: Path, name: str, argv: list[str], **config: object
+) -> tuple[Registry, RunDir]:
+    """`argv` started on the one host as an SSH launch starts torchrun (hostproc's launcher
+    shell; `config` adds to what it gets, e.g. the training `python` that ends the attempt),
+    recorded as a launch."""
     host = inventory.load(local_inventory).select()[0]
     run = RunDir(host.runs_dir / name).create()
     registry = Registry(host.runs_dir / "registry.sqlite")
     registry.add_run(name, str(run.path), str(local_inventory))
-    config = {
+    run.record(EventKind.LAUNCHED, launch="launch", hosts=[host.name])
+    start = {
+        "run_dir": str(run.path),
+        "host": host.name,
         "argv": argv,
         "env": {"RLMCTL_RUN": str(run.path), "RLMCTL_HOST": host.name},
         "log": str(run.launcher_log_path(host.name)),
-        "exit_file": str(run.host_dir(host.name) / "exit.json"),
+        "exit_file": str(run.exit_record_path(host.name)),
         "cwd": str(run.path),
+        **config,
     }
     with Fleet([host]) as fleet:
-        (result,) = fleet.run(hostproc_command(host, "start", config))
+        (result,) = fleet.run(hostproc_command(host, "start", start))
     started = parse_json_result(result)
     assert started, result.reason
     registry.record_launch(name, "launch", [{"host": host.name, "address": "", **started}], "x", "")
-    run.record("launched", launch="launch", hosts=[host.name])
     return registry, run
 
 
 def test_watch_stops_a_hung_run_and_respects_the_restart_budget(local_inventory: Path) -> None:
-    registry, run = start_standin(local_inventory, "hung", ["sleep", "300"])
+    _, run = start_standin(local_inventory, "hung", ["sleep", "300"])
     started = time.monotonic()
     result = rlmctl(
         "-i",
@@ -55,9 +65,8 @@ def test_watch_stops_a_hung_run_and_respects_the_restart_budget(local_inventory:
     assert "failure: no step progress for 3 s" in result.stderr
     assert "giving up: restart budget of 0 used up" in result.stderr
     assert time.monotonic() - started < 90
-    hosts = inventory.load(local_inventory).select()
-    with Fleet(hosts) as fleet:
-        assert not processes(fleet, registry, "hung", run, hosts)["localhost"].alive
+    with Context(Site(str(local_inventory)), readonly=True) as ctx:
+        assert not Backend(ctx).probe(run).alive
     kinds = [e.kind for e in run.events()]
     assert "failure" in kinds and kinds[-1] == "gave_up"
     assert run.state() is RunState.FAILED
@@ -79,7 +88,7 @@ def test_watch_resumes_a_run_preempted_by_a_signal_it_did_not_send(
     # stop before its last step and exits 0. It waits for `go` so that its status is newer than
     # the launch record.
     write_status = (
-        "from trainer.rundir import RunDir, RunState; "
+        "from runcontract.rundir import RunDir; "
         "RunDir('.').write_status(state='stopped', step=5, max_steps=10, exit_code=0)"
     )
     argv = [

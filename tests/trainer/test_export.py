@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -12,10 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.trainer.hub_model import perturbed_tiny, save_checkpoint
 from tests.trainer.training_runs import run_cli, tiny_config
-from trainer.checkpoint import MODEL_FILE, CheckpointConfig, CheckpointStore
+from trainer.checkpoint import MODEL_FILE
 from trainer.errors import UserError
-from trainer.export import export_checkpoint, load_exported
+from trainer.export import export_checkpoint, import_hf, load_any, load_exported
 from trainer.generate import generate_text
 from trainer.model import PRESETS, RecurrentLM
 from trainer.rundir import ExitCode, RunDir
@@ -27,24 +27,8 @@ def checkpoint(
     tmp_path_factory: pytest.TempPathFactory, prepared_data: Path
 ) -> tuple[Path, RecurrentLM]:
     """A checkpoint of a tiny model with perturbed weights, saved the way the loop saves it."""
-    torch.manual_seed(1)
-    model = RecurrentLM(PRESETS["tiny"]).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.01)  # norms are no longer all ones
-    run = RunDir(tmp_path_factory.mktemp("run")).create()
-    config = {
-        "model": {"preset": "tiny", **dataclasses.asdict(model.cfg)},
-        "data": {"path": str(prepared_data), "split": "train"},
-    }
-    state = {
-        "model": model.state_dict(),
-        "optimizer": {},
-        "progress": {"step": 7},
-        "config": config,
-    }
-    assert CheckpointStore(run, CheckpointConfig(), 0, 1).save(7, state)
-    return run.checkpoint_path(7), model
+    model = perturbed_tiny(seed=1, scale=0.01)
+    return save_checkpoint(model, tmp_path_factory.mktemp("run"), 7, prepared_data), model
 
 
 def logits(model: RecurrentLM, ids: torch.Tensor) -> torch.Tensor:
@@ -63,12 +47,19 @@ def test_export_writes_the_published_layout_and_imports_to_identical_logits(
     out = export_checkpoint(ckpt, tmp_path / "export")
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
+        "configuration_raven.py",
+        "generation_config.json",
         "model.safetensors",
+        "modeling_raven.py",
         "tokenizer.json",
+        "tokenizer_config.json",
     ]
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "huginn_raven"
     assert config["architectures"] == ["RavenForCausalLM"]
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_raven.RavenForCausalLM"
+    # the published RavenConfig passes tie_word_embeddings to transformers itself
+    assert "tie_word_embeddings" not in config
     cfg = original.cfg
     assert (config["n_embd"], config["n_heads"], config["intermediate_size"]) == (64, 4, 176)
     assert config["n_layers_in_prelude"] == cfg.n_prelude and config["n_layers"] == 4
@@ -134,6 +125,14 @@ def test_import_hf_makes_a_checkpoint_that_trains_and_generates(
     assert [r["step"] for r in records] == [1, 2]
     start = next(e for e in RunDir(tmp_path / "run").read_events() if e["event"] == "start")
     assert start["resumed_from"].endswith("step-00000000")
+    # imported as a sharded checkpoint (weights only), a checkpoint.format=sharded run resumes
+    # from it and trains the same steps to the same losses
+    import_hf(out, tmp_path / "sharded", checkpoint_format="sharded")
+    cfg = tiny_config(prepared_data, tmp_path / "sharded", "train.steps=2")
+    cfg.checkpoint.format = "sharded"
+    assert train(cfg) == ExitCode.OK
+    sharded = [r for r in RunDir(tmp_path / "sharded").read_metrics() if r["kind"] == "train"]
+    assert [r["loss"] for r in sharded] == [r["loss"] for r in records]
 
 
 @pytest.mark.parametrize(
@@ -143,6 +142,11 @@ def test_import_hf_makes_a_checkpoint_that_trains_and_generates(
         ({"qk_bias": False}, "qk_bias=False is not supported"),
         ({"num_key_value_heads": 2}, "num_key_value_heads=2 must equal n_heads=4"),
         ({"model_type": "llama"}, "model_type 'llama'"),
+        ({"num_attention_heads": 8}, "num_attention_heads=8 contradicts n_heads=4"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling="),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters="),
+        ({"quantization_config": {"quant_method": "gptq"}}, "save them unquantized"),
+        ({"tie_word_embeddings": False}, "tie_word_embeddings=False is not supported"),
     ],
 )
 def test_import_rejects_what_it_does_not_know_in_one_line(
@@ -152,11 +156,110 @@ def test_import_rejects_what_it_does_not_know_in_one_line(
     out = export_checkpoint(ckpt, tmp_path / "export")
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, **change}))
-    result = run_cli("import-hf", str(out), str(tmp_path / "run"))
-    assert result.returncode != 0
-    assert result.stderr.startswith("error: ") and fragment in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    with pytest.raises(UserError) as refused:
+        import_hf(out, tmp_path / "run")
+    assert fragment in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "run").exists(), "nothing is written for a config it cannot read"
+
+
+def test_import_refusal_is_one_line_from_the_cli(
+    checkpoint: tuple[Path, RecurrentLM], tmp_path: Path
+) -> None:
+    ckpt, _ = checkpoint
+    out = export_checkpoint(ckpt, tmp_path / "export")
+    os.truncate(out / "model.safetensors", (out / "model.safetensors").stat().st_size // 2)
+    result = run_cli("import-hf", str(out), str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert f"{out / 'model.safetensors'} is not a readable safetensors file" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("size", [0, 10, 200])
+def test_a_truncated_shard_is_named_in_one_line(
+    checkpoint: tuple[Path, RecurrentLM], tmp_path: Path, size: int
+) -> None:
+    ckpt, _ = checkpoint
+    out = export_checkpoint(ckpt, tmp_path / "sharded", max_shard_bytes=400_000)
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    os.truncate(shard, size)
+    with pytest.raises(UserError, match=f"^{shard} is not a readable safetensors file"):
+        import_hf(out, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def _published_style(config: dict) -> dict:
+    """The names of the published raven_config_minimal.json: `num_attention_heads` (no n_heads),
+    no rope_base (its config class defaults it), metadata of its own, an old transformers."""
+    dropped = {"n_heads", "rope_base", "head_dim", "n_layers", "padded_vocab_size"}
+    dropped |= {"effective_expected_depth", "init_values", "auto_map", "torch_dtype"}
+    kept = {k: v for k, v in config.items() if k not in dropped}
+    return kept | {
+        "name": "nebel-raven-3.5b",
+        "hf_config": {"org": "tomg-group-umd", "name": "nebel-raven-3.5b"},
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.28.1",
+        "auto_map": {"AutoConfig": "raven_config_minimal.RavenConfig"},
+    }
+
+
+def _transformers_5(config: dict) -> dict:
+    """What transformers 5 writes: `dtype`, and RoPE as rope_parameters."""
+    kept = {k: v for k, v in config.items() if k not in ("torch_dtype", "rope_base")}
+    rope = {"rope_type": "default", "rope_theta": config["rope_base"]}
+    return kept | {"dtype": "float32", "transformers_version": "5.23.0", "rope_parameters": rope}
+
+
+@pytest.mark.parametrize(
+    ("rewrite", "note"),
+    [
+        (_published_style, "the published defaults apply: rope_base=50000.0"),
+        (lambda c: {**c, "dtype": "float32", "transformers_version": "4.57.6"}, None),
+        (_transformers_5, None),
+        (lambda c: {**c, "temperature": 0.7, "max_length": 20, "use_cache": True}, "max_length"),
+    ],
+    ids=["published-config", "transformers-4.57", "transformers-5", "old-generation-fields"],
+)
+def test_import_accepts_what_the_ecosystem_writes(
+    checkpoint: tuple[Path, RecurrentLM], tmp_path: Path, rewrite, note: str | None
+) -> None:
+    ckpt, original = checkpoint
+    out = export_checkpoint(ckpt, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(rewrite(config)))
+    notes: list[str] = []
+    imported = import_hf(out, tmp_path / "run", notes=notes)
+    if note is None:
+        assert notes == []
+    else:
+        assert note in " ".join(notes), notes
+    ids = some_ids(original.cfg.vocab_size)
+    assert torch.equal(logits(load_any(imported)[0], ids), logits(original, ids))
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_checkpoint_hub_checkpoint_round_trip_is_bit_identical(
+    tmp_path: Path, prepared_data: Path, fmt: str
+) -> None:
+    """A checkpoint (full or sharded) → export → import-hf (the same format) → export: every
+    float32 tensor bit-identical, the exported files byte-identical, the tokenizer carried."""
+    torch.manual_seed(4)
+    model = RecurrentLM(PRESETS["tiny"])
+    original = save_checkpoint(model, tmp_path / "run", 5, prepared_data, fmt)
+    first = export_checkpoint(original, tmp_path / "first")
+    imported = import_hf(first, tmp_path / "imported", checkpoint_format=fmt)
+    assert (imported / "dcp").is_dir() is (fmt == "sharded")
+    back, _ = load_any(imported)
+    for name, tensor in model.state_dict().items():
+        assert back.state_dict()[name].dtype == torch.float32
+        assert torch.equal(back.state_dict()[name], tensor), name
+    second = export_checkpoint(imported, tmp_path / "second")
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in second.iterdir())
+    for file in first.iterdir():
+        assert file.read_bytes() == (second / file.name).read_bytes(), file.name
+    tokenizer = (prepared_data / "tokenizer.json").read_bytes()
+    assert (tmp_path / "imported" / "tokenizer.json").read_bytes() == tokenizer
 
 
 def test_logits_match_an_independent_float64_implementation_of_the_paper() -> None:

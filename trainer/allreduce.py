@@ -1,6 +1,6 @@
 """The `rlmctl health --deep` probe: a timed all-reduce across every selected host.
 
-Run on the hosts by torchrun (`python -m rlmctl.allreduce`), like the trainer: gloo on CPU hosts,
+Run on the hosts by torchrun (`python -m trainer.allreduce`), like the trainer: gloo on CPU hosts,
 NCCL/RCCL on GPU hosts. Rank 0 prints one JSON line with the bus bandwidth, computed the way
 nccl-tests does (busbw = algbw × 2(n−1)/n).
 """

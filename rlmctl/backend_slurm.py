@@ -1,0 +1,456 @@
+"""The Slurm backend (`rlm_scheduler: slurm`): an attempt is a batch job.
+
+Slurm allocates the nodes, starts one torchrun per node (the batch script of rlmctl.slurm), signals
+and requeues; rlmctl only submits, asks `squeue`/`sacct` and reads the run directory. Slurm's
+commands run on the submit host: the first host of the `mgmt` group (the controller, which has
+the Slurm client and munge), over the same SSH as everything else. `sbatch --test-only` judges a
+job before anything is written, so what Slurm refuses leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clusterspec.inventory import Host
+from rlmctl import slurm as batch_script
+from rlmctl.backend import Attempt, LaunchRequest, Placement, Probe, Say, Started
+from rlmctl.context import Context
+from rlmctl.errors import RlmctlError
+from rlmctl.health import CRIT, OK, UNKNOWN, WARN, Check, Report
+from rlmctl.records import HostStop
+from rlmctl.remote import Result
+from runcontract.rundir import RunDir, read_json, write_json_atomic
+
+SUBMIT_GROUP = "mgmt"
+JOB_FILE = "slurm.json"  # in the run directory: the job id(s) of the run, what it asked for
+# sacct states after which a job will not run again.
+ENDED = frozenset(
+    {
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "PREEMPTED",
+    }
+)
+UNAVAILABLE = "Requested node configuration is not available"
+
+
+class SlurmRefused(RlmctlError):
+    """Slurm said no (unknown partition, too many nodes, controller down): exit 1."""
+
+    exit_code = 1
+
+
+@dataclass
+class Job:
+    job_id: str
+    state: str  # PENDING, RUNNING, COMPLETED, CANCELLED, ... ("" when Slurm does not know it)
+    exit_code: str = ""
+    nodes: str = ""
+    reason: str = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "job_id": self.job_id,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "nodes": self.nodes,
+            "reason": self.reason,
+        }
+
+
+def _slurm_detail(result: Result) -> str:
+    """The last line a Slurm command wrote to stderr, without its `<command>: error: `."""
+    lines = [line.strip() for line in (result.stderr or "").splitlines() if line.strip()]
+    detail = lines[-1] if lines else result.reason
+    for prefix in ("sbatch: error: ", "squeue: error: ", "scancel: error: ", "sacct: error: "):
+        detail = detail.removeprefix(prefix)
+    return detail.removeprefix("allocation failure: ")  # sbatch --test-only's prefix
+
+
+def _slurm_error(result: Result, what: str) -> SlurmRefused:
+    detail = _slurm_detail(result)
+    hint = {
+        "Unable to contact slurm controller": "start slurmctld on the controller "
+        "(systemctl start slurmctld) or check SlurmctldHost in slurm.conf",
+        "invalid partition": "pick a partition `sinfo` lists (--partition)",
+        UNAVAILABLE: "ask for fewer --nodes than the partition has (sinfo) or another --partition",
+        "Node count specification invalid": "ask for fewer --nodes than the partition has",
+        # What sbatch, squeue and sinfo say on a host whose munge key differs from the
+        # controller's (seen on the rig: node4 with a new key, Slurm 22.05.8): slurmctld drops
+        # the request ("Protocol authentication error" in its log), the client reads nothing.
+        "Zero Bytes were transmitted or received": "slurmctld refused this host's munge "
+        "credential (its munge key differs from the controller's): rerun site.yml --tags slurm",
+    }
+    fix = next((text for key, text in hint.items() if key.lower() in detail.lower()), None)
+    return SlurmRefused(f"{what}: {detail}" + (f"; {fix}" if fix else ""))
+
+
+def munge_fix(nodes: list[str]) -> str:
+    names = ",".join(nodes)
+    return (
+        "redistribute the munge key: rerun site.yml --tags slurm (Slurm returns the node to "
+        f"service once it answers; if it stays down: scontrol update NodeName={names} State=RESUME)"
+    )
+
+
+def _last_line(result: Result) -> str:
+    lines = [line.strip() for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+    return (lines[-1] if lines else result.reason).removeprefix("unmunge: ")
+
+
+def job_id_of(run: RunDir) -> str | None:
+    record = read_json(run.path / JOB_FILE)
+    return str(record["job_id"]) if isinstance(record, dict) and record.get("job_id") else None
+
+
+def exit_records(run: RunDir, job_id: str, nodes: list[str]) -> dict[str, dict[str, Any]]:
+    """Each node's exit record of job `job_id`."""
+    records = {}
+    for node in nodes:
+        record = read_json(run.exit_record_path(node))
+        if (
+            isinstance(record, dict)
+            and str(record.get("job_id")) == job_id
+            and isinstance(record.get("exit_code"), int)
+            and isinstance(record.get("time"), int | float)
+        ):
+            records[node] = record
+    return records
+
+
+class Backend:
+    """rlmctl.backend.Backend through Slurm: every Slurm command runs on the submit host."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    # Slurm's commands -------------------------------------------------------------------------
+    @property
+    def submit_host(self) -> Host:
+        inventory = self.ctx.inventory
+        names = inventory.groups.get(SUBMIT_GROUP) or []
+        if not names:
+            raise RlmctlError(
+                f"rlm_scheduler is slurm but {inventory.source} has no '{SUBMIT_GROUP}' group: "
+                "add the Slurm controller (where sbatch runs) to it"
+            )
+        return inventory.hosts[names[0]]
+
+    def slurm(self, argv: list[str], what: str) -> Result:
+        result = self.ctx.fleet.run(shlex.join(argv), hosts=[self.submit_host])[0]
+        if not result.ok:
+            raise _slurm_error(result, what)
+        return result
+
+    def job(self, job_id: str) -> Job:
+        """squeue while Slurm holds the job (pending, running, requeued), else sacct."""
+        queued = self.slurm(
+            ["squeue", "--noheader", "--jobs", job_id, "--format=%T|%N|%r"], "squeue failed"
+        ).stdout.strip()
+        if queued:
+            state, nodes, reason = ([*queued.splitlines()[0].split("|"), "", ""])[:3]
+            return Job(job_id, state, nodes=nodes, reason=reason)
+        argv = ["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", job_id]
+        rows = self.slurm([*argv, "--format=State,ExitCode,NodeList"], "sacct failed")
+        lines = rows.stdout.splitlines()
+        if not lines:
+            return Job(job_id, "")
+        state, code, nodes = ([*lines[-1].split("|"), "", ""])[:3]
+        return Job(job_id, state.split()[0], exit_code=code, nodes=nodes)
+
+    def job_nodes(self, job: Job) -> list[str]:
+        """The node names of the job's allocation (Slurm's compressed `node[2-3]` expanded)."""
+        if not job.nodes or job.nodes in ("None assigned", "(null)"):
+            return []
+        shown = self.slurm(["scontrol", "show", "hostnames", job.nodes], "scontrol failed")
+        return shown.stdout.split()
+
+    # where --------------------------------------------------------------------------------------
+    def placement(self, request: LaunchRequest) -> Placement:
+        """No health gate: Slurm's HealthCheckProgram keeps unhealthy nodes out."""
+        hosts = self.ctx.hosts
+        nodes = request.nodes or len(hosts)
+        if nodes < 1:
+            raise RlmctlError(f"--nodes {nodes}: ask for at least one node")
+        batch_script.time_limit_seconds(request.time_limit)  # a form Slurm refuses: one line
+        return Placement(
+            hosts=[],
+            nodes=nodes,
+            gpus_per_node=hosts[0].gpus_per_node,
+            template=hosts[0],
+            partition=request.partition,
+            time_limit=request.time_limit,
+        )
+
+    def placement_of(self, run: RunDir, exclude: set[str]) -> Placement:
+        """The nodes, partition and time limit it was launched with (the same global batch)."""
+        record = read_json(run.path / JOB_FILE) or {}
+        if job_id_of(run) is None or "request" not in record:
+            raise RlmctlError(
+                f"run {run.name} has no Slurm job recorded in {run.path / JOB_FILE}; it was not "
+                "launched under rlm_scheduler: slurm (use the inventory it was launched with)"
+            )
+        request = record["request"]
+        host = self.ctx.hosts[0]
+        return Placement(
+            hosts=[],
+            nodes=request["nodes"],
+            gpus_per_node=host.gpus_per_node,
+            template=host,
+            partition=request["partition"],
+            time_limit=request["time_limit"],
+            exclude=sorted(exclude),
+        )
+
+    def script(self, run: RunDir, placement: Placement, attempt: Attempt) -> str:
+        return batch_script.render(
+            config=run.config_path,
+            name=run.name,
+            nodes=placement.nodes,
+            gpus_per_node=placement.gpus_per_node,
+            partition=placement.partition,
+            time_limit=placement.time_limit,
+            host=placement.template,
+            run_dir=str(run.path),
+            exclude=placement.exclude,
+            resume_from=attempt.resume_from,
+        )
+
+    def admit(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Placement:
+        """`sbatch --test-only`: Slurm judges partition, node count and credentials (the script
+        travels on stdin; no job is created). When the partition has nodes enough but not
+        enough of them up, the refusal names the nodes that are out and why."""
+        payload = base64.b64encode(self.script(run, placement, attempt).encode()).decode()
+        command = f"echo {payload} | base64 -d | sbatch --test-only"
+        result = self.ctx.fleet.run(command, hosts=[self.submit_host])[0]
+        if result.ok:
+            return placement
+        detail = _slurm_detail(result)
+        if UNAVAILABLE.lower() in detail.lower() and (
+            out := self.unavailable_nodes(placement.partition)
+        ):
+            raise SlurmRefused(f"Slurm refused the job: {detail}: {out}")
+        raise _slurm_error(result, "Slurm refused the job")
+
+    def unavailable_nodes(self, partition: str | None) -> str:
+        """The partition's nodes Slurm will not allocate (down, drained, failing), each with its
+        reason and, for a node that is down because its munge key differs, the fix; "" if none."""
+        argv = ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E|%P"]
+        argv += [f"--partition={partition}"] if partition else []
+        rows = self.slurm(argv, "sinfo failed").stdout.splitlines()
+        out = {}
+        for row in rows:
+            name, state, reason, part = ([*row.strip().split("|"), "", "", ""])[:4]
+            if not partition and not part.endswith("*"):
+                continue  # a job without --partition goes to the default one (sinfo marks it *)
+            if state.rstrip("*~#!%$@^-+").startswith(("down", "drain", "fail")):
+                out[name] = f"{name} is {state} ({reason})"
+        if not out:
+            return ""
+        keys = self.munge_mismatches(sorted(out))
+        parts = [out[name] + (f", {keys[name]}" if name in keys else "") for name in sorted(out)]
+        if keys:
+            fix = munge_fix(sorted(keys))
+        else:
+            fix = (
+                "ask for fewer --nodes, or fix them and `scontrol update NodeName=... State=RESUME`"
+            )
+        return f"{'; '.join(parts)}; {fix}"
+
+    def munge_mismatches(self, names: list[str]) -> dict[str, str]:
+        """Of the nodes `names`, those whose munge cannot decode a credential made on the submit
+        host, i.e. whose munge key differs from the controller's; per node, what `unmunge` said.
+
+        Slurm itself never names the key. Seen on the rig (Slurm 22.05.8, node4 given a new key
+        and its munge restarted): node4's slurmd.log says "Munge decode failed: Invalid
+        credential" and "REQUEST_PING has authentication error", slurmctld.log only
+        "[node4]:6818 failed: Zero Bytes were transmitted or received", then "Nodes node4 not
+        responding, setting DOWN"; sinfo shows `idle*`, then `down*` with Reason "Not
+        responding" after SlurmdTimeout; `unmunge` on node4 of the controller's credential:
+        "unmunge: Error: Invalid credential", exit 14."""
+        hosts = [self.ctx.inventory.hosts[n] for n in names if n in self.ctx.inventory.hosts]
+        if not hosts:
+            return {}
+        made = self.ctx.fleet.run("munge --no-input", hosts=[self.submit_host])[0]
+        if not made.ok:
+            return {}
+        credential = shlex.quote(made.stdout.strip())
+        decoded = self.ctx.fleet.run(f"echo {credential} | unmunge --no-output", hosts=hosts)
+        return {
+            r.host: f"its munge key differs from the controller's (unmunge: {_last_line(r)})"
+            for r in decoded
+            if not r.ok and r.rc is not None  # an unreachable node is not a key problem
+        }
+
+    # start --------------------------------------------------------------------------------------
+    def start(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Started:
+        """Write the batch script into the run directory, sbatch it, record the job and what it
+        asked for (nodes, partition, time limit: a resume asks for the same)."""
+        path = run.path / f"slurm-{attempt.kind}-{len(self.ctx.registry.launches(run.name))}.sh"
+        path.write_text(self.script(run, placement, attempt), encoding="utf-8")
+        path.chmod(0o755)
+        argv = ["sbatch", "--parsable", str(path)]
+        result = self.slurm(argv, "sbatch refused the job")
+        job_id = result.stdout.strip().splitlines()[-1].split(";")[0]
+        jobs = (read_json(run.path / JOB_FILE) or {}).get("jobs", [])
+        request = {
+            "nodes": placement.nodes,
+            "partition": placement.partition,
+            "time_limit": placement.time_limit,
+        }
+        write_json_atomic(
+            run.path / JOB_FILE, {"job_id": job_id, "jobs": [*jobs, job_id], "request": request}
+        )
+        return Started(hosts=[], rdzv_id=job_id, job_id=job_id)
+
+    def abandon(self, run: RunDir) -> bool:
+        """Cancel the attempt's job: the recorded one, and any job of the run's name (a launch
+        interrupted between sbatch and its record; while an attempt is being started no other
+        job of the run exists: resume refuses while Slurm holds one)."""
+        job_id = job_id_of(run)
+        if job_id is not None and not self.job(job_id).ended:
+            self.slurm(["scancel", job_id], "scancel failed")
+        self.slurm(["scancel", f"--name={run.name}"], "scancel failed")
+        return True
+
+    # look ---------------------------------------------------------------------------------------
+    def probe(self, run: RunDir) -> Probe:
+        job_id = job_id_of(run)
+        current = self.job(job_id) if job_id else Job("", "")
+        held = bool(current.state) and not current.ended
+        return Probe(
+            alive=held,
+            running=held,
+            complete=held,
+            executing=[current.job_id] if current.state == "RUNNING" else [],
+            not_running=f"Slurm job {job_id} is {current.state or 'unknown'}",
+            still_running=f"Slurm job {job_id} is still {current.state}",
+            ended=f"Slurm job {job_id} ended {current.state or 'unknown'} {current.exit_code}",
+            recovery=f"`rlmctl resume {run.name}`",
+            job=current.as_dict(),
+            ref={"job_id": job_id} if job_id else {},
+        )
+
+    # stop ---------------------------------------------------------------------------------------
+    def stop(
+        self, run: RunDir, probe: Probe, timeout: float, leave_out: set[str]
+    ) -> list[HostStop]:
+        """SIGTERM to every task of the job's steps (the trainer checkpoints and exits 0; the
+        batch script sees the recorded request and cancels its job), wait, then cancel whatever
+        is left.
+
+        Not `--full`: that signals the batch step too, whose srun answers SIGTERM by terminating
+        the training step (SIGKILL after KillWait) before the trainer can checkpoint (seen on
+        the rig with Slurm 22.05)."""
+        job_id = job_id_of(run)
+        if job_id is None:
+            raise RlmctlError(f"run {run.name} has no Slurm job recorded ({run.path / JOB_FILE})")
+        current = self.job(job_id)
+        if not current.ended:
+            if current.state == "RUNNING":
+                self.slurm(["scancel", "--signal=TERM", job_id], "scancel failed")
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    state = run.state()
+                    if state is not None and not state.active:
+                        break
+                    time.sleep(1)  # polling the run directory, not a synchronisation
+            self.slurm(["scancel", job_id], "scancel failed")
+            deadline = time.monotonic() + 60
+            current = self.job(job_id)
+            while not current.ended and time.monotonic() < deadline:
+                time.sleep(1)  # polling Slurm until it has ended the job
+                current = self.job(job_id)
+        error = None if current.ended else f"Slurm job {current.job_id} is still {current.state}"
+        return [HostStop(current.nodes or "-", ok=current.ended, error=error)]
+
+    def failed_hosts(self, run: RunDir, probe: Probe) -> list[str]:
+        """The nodes a failed job must not get again, from each node's exit record
+        (hosts/<node>/exit.json, written by the batch script's node wrapper when its torchrun
+        ends): the node whose torchrun ended first with a non-zero code before anyone signalled
+        it (the others were brought down after it: `srun --kill-on-bad-exit`, or a collective
+        with the dead peer); failing that, the job's nodes with no record (the wrapper itself
+        was lost with its node); and the job's nodes that Slurm now has drained or down."""
+        if not probe.job or not probe.job.get("job_id"):
+            return []
+        ended = Job(**probe.job)
+        nodes = self.job_nodes(ended)
+        records = exit_records(run, ended.job_id, nodes)
+        first = sorted(
+            (float(r["time"]), node)
+            for node, r in records.items()
+            if r.get("launcher_exit_code", r["exit_code"]) != 0 and r.get("signalled") is not True
+        )
+        bad = {first[0][1]} if first else {n for n in nodes if n not in records}
+        if nodes:
+            argv = ["sinfo", "--noheader", "--Node", f"--nodes={','.join(nodes)}", "--format=%N|%T"]
+            for row in self.slurm(argv, "sinfo failed").stdout.splitlines():
+                node, _, state = row.strip().partition("|")
+                if state.startswith(("drain", "down", "fail")):
+                    bad.add(node)
+        return sorted(bad)
+
+    def log_paths(self, run: RunDir, host: str | None) -> dict[str, Path]:
+        """The job output files (all nodes' tasks are in one per job)."""
+        if host is not None:
+            raise RlmctlError(
+                f"run {run.name} ran under Slurm: its output is one file per job, not per host; "
+                f"drop --host"
+            )
+        return {p.stem: p for p in sorted(run.path.glob("slurm-*.out"))}
+
+    def node_checks(self, report: Report) -> None:
+        """`rlmctl health` under Slurm: each node's `sinfo` state as a `slurm` check next to the
+        host checks. Drained or draining is WARN with Slurm's reason (jobs avoid it; the health
+        check or an operator put it there), down is CRIT (with the munge fix where the node's
+        key differs from the controller's), idle/allocated/mixed OK."""
+        try:
+            argv = ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"]
+            out = self.slurm(argv, "sinfo failed").stdout
+        except SlurmRefused as error:
+            for host in report.hosts:
+                host.checks.append(Check("slurm", UNKNOWN, str(error)))
+            return
+        nodes = {}
+        for row in out.splitlines():
+            name, state, reason = ([*row.strip().split("|"), "", ""])[:3]
+            nodes[name] = (state, reason)
+        # Down, or not answering yet (`*`: before SlurmdTimeout sets it down).
+        silent = [
+            h.host
+            for h in report.hosts
+            if (state := nodes.get(h.host, ("",))[0]).startswith("down") or state.endswith("*")
+        ]
+        keys = self.munge_mismatches(silent) if silent else {}
+        for host in report.hosts:
+            if host.host not in nodes:
+                continue  # not a Slurm node (the controller)
+            state, reason = nodes[host.host]
+            detail = state + (f": {reason}" if reason and reason != "none" else "")
+            fix = f"fix it, then: scontrol update NodeName={host.host} State=RESUME"
+            base = state.rstrip("*~#!%$@^-+")
+            if host.host in keys:
+                host.checks.append(
+                    Check("slurm", CRIT, f"{detail}; {keys[host.host]}", munge_fix([host.host]))
+                )
+            elif base.startswith("down"):
+                host.checks.append(Check("slurm", CRIT, detail, fix))
+            elif base.startswith("drain"):
+                host.checks.append(Check("slurm", WARN, detail, fix))
+            else:
+                host.checks.append(Check("slurm", OK, detail))
