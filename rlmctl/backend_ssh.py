@@ -183,6 +183,7 @@ class Backend:
         rdzv_id = f"{run.name}-{attempts}-{secrets.token_hex(3)}"
         endpoint = f"{hosts[0].address}:{hosts[0].rdzv_port}"
         overrides = [f"checkpoint.resume={attempt.resume_from}"] if attempt.resume_from else []
+        overrides += attempt.overrides
         configs: dict[str, dict[str, Any]] = {}
         for host in hosts:
             run.host_dir(host.name).mkdir(parents=True, exist_ok=True)
