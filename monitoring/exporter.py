@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from clusterspec.variables import default
+from monitoring import goodput as goodput_series
 from monitoring import gpu
 from trainer.rundir import RunDir
 
@@ -225,6 +226,8 @@ class RunSnapshot:
     checkpoint_step: int | None
     checkpoint_mtime: float | None
     exit_codes: list[int] = field(default_factory=list)  # of the newest attempt
+    goodput: dict[str, Any] | None = None  # runcontract.goodput, as of a moment ago
+    ranks: dict[str, Any] | None = None  # this host's ranks and the stragglers (ranks.json)
 
 
 def find_run_dirs(run_roots: Iterable[Path], run_dirs: Iterable[Path]) -> list[Path]:
@@ -275,6 +278,7 @@ class RunProbe:
         self.run_roots = run_roots
         self.run_dirs = run_dirs
         self.errors = errors
+        self.goodput = goodput_series.GoodputReader()
 
     def __call__(self) -> list[RunSnapshot]:
         snapshots, failures = [], []
@@ -285,6 +289,7 @@ class RunProbe:
                 failures.append(f"{path}: {error.strerror or error}")
         now = time.time()
         visible = [s for s in snapshots if is_visible(s, now)]
+        self.goodput.add_to(visible, self.run_roots, self.run_dirs)
         if failures:
             # Readable runs are still exported; the source reports the failure.
             for failure in failures:
@@ -587,6 +592,7 @@ class RlmCollector(Collector):
         yield state
         yield from status_gauges.values()
         yield from (restarts, failures, checkpoint_step, checkpoint_age, exit_code)
+        yield from goodput_series.families(snapshots)
 
     def _filesystem_metrics(self) -> Iterator[Metric]:
         if self.filesystem is None:

@@ -504,9 +504,20 @@ def _time_of(item: Event | dict[str, Any]) -> float:
     return _number(item.get("time")) or 0.0
 
 
+# At equal times: an attempt's opening events, then metric records, then every other event
+# (a record and the exit that follows it can carry the same clock reading).
+_OPENING = frozenset({EventKind.LAUNCHED.value, EventKind.START.value})
+
+
+def order_key(item: Event | dict[str, Any]) -> int:
+    if isinstance(item, Event):
+        return 0 if item.kind in _OPENING else 2
+    return 1
+
+
 def merged(events: Iterable[Event], records: Iterable[dict[str, Any]]) -> Iterator[Any]:
-    """Events and metric records in time order (an event first at equal times)."""
-    items = [(e.time, 0, i, e) for i, e in enumerate(events)]
+    """Events and metric records in time order (`order_key` at equal times)."""
+    items = [(e.time, order_key(e), i, e) for i, e in enumerate(events)]
     items += [
         (_time_of(r), 1, i, r) for i, r in enumerate(records) if r.get("kind") in ("train", "val")
     ]
