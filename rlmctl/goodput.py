@@ -23,6 +23,7 @@ from runcontract.interval import (
     Exposure,
     IntervalChoice,
     choose_interval,
+    duration,
     expected_goodput,
     exposure,
     young_daly_seconds,
@@ -64,16 +65,6 @@ def run_view(run: RunDir, margin: float, windows: int) -> dict[str, Any]:
         "stragglers": [vars(s) | {"describe": s.describe()} for s in found],
         "ranks": [vars(f) for f in figures(ranks)] if ranks else [],
     }
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 2 * HOUR:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / HOUR:.1f} h"
 
 
 def lines(view: dict[str, Any] | None) -> list[str]:

@@ -460,10 +460,10 @@ class WatchPolicy:
     straggler_margin: float = STRAGGLER_MARGIN
     straggler_windows: int = STRAGGLER_WINDOWS
 
-    def backoff(self, restarts: int) -> float:
-        """Seconds before restart number `restarts` + 1: give a flapping host, node or
-        filesystem time to recover."""
-        return self.backoff_s * 2**restarts
+    def backoff(self, streak: int) -> float:
+        """Seconds before a restart after `streak` earlier failures in a row that kept no new
+        checkpoint: give a flapping host, node or filesystem time to recover."""
+        return self.backoff_s * 2**streak
 
 
 @dataclass(frozen=True)
@@ -481,10 +481,12 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
     failure names, after the back-off, within the restart budget. Every decision is an event."""
     run = ctx.run(name)
     restarts = 0
+    streak = 0  # failures in a row that saved no new checkpoint: the back-off's exponent
     excluded = {
         h for e in run.events() if e.kind == EventKind.EXCLUDED for h in e.fields.get("hosts", [])
     }
     while True:
+        saved_before = newest_checkpoint_step(run)
         failure = follow(backend, run, policy, say)
         if failure is None:
             return 0
@@ -518,7 +520,12 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
             excluded |= exclude_stragglers(ctx, backend, run, excluded, policy, say)
         if policy.checkpoint_interval != "keep":
             choose_checkpoint_interval(ctx, run, policy, say)
-        delay = policy.backoff(restarts)
+        # A month-long run fails many times; only a flapping one (no progress kept between
+        # failures) should wait longer and longer.
+        if newest_checkpoint_step(run) > saved_before:
+            streak = 0
+        delay = policy.backoff(streak)
+        streak += 1
         restarts += 1
         say(f"restart {restarts}/{policy.max_restarts} in {delay:g} s (exit code {code})")
         time.sleep(delay)  # the back-off policy, not a synchronisation
@@ -529,6 +536,11 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
         if resumed.job_id:
             say(f"resubmitted as Slurm job {resumed.job_id}, excluding "
                 f"{', '.join(sorted(excluded)) or '-'}")  # fmt: skip
+
+
+def newest_checkpoint_step(run: RunDir) -> int:
+    newest = run.latest_valid_checkpoint()
+    return newest.step if newest else -1
 
 
 def exclude_stragglers(

@@ -97,6 +97,17 @@ def _ends_badly(event: Event) -> bool:
     return code not in (0, None) and restartable(code)
 
 
+def duration(seconds: float | None) -> str:
+    """Seconds as an operator reads them: 42.0 s, 12.5 min, 3.2 h."""
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def young_daly_seconds(stall_s: float, mtbf_s: float) -> float:
     """Young/Daly's first-order optimum: seconds of training between checkpoints."""
     return math.sqrt(2.0 * stall_s * mtbf_s)
@@ -177,8 +188,8 @@ def choose_interval(
     model = expected_goodput(steps * step_time_s, stall_s, job_mtbf_s, restart_s, write_s)
     clamp = f", held at the {bound} bound" if bound else ""
     reason = (
-        f"Young/Daly: sqrt(2 x {stall_s:.3g} s stall x {job_mtbf_s / 3600:.3g} h job MTBF) = "
-        f"{optimum:.0f} s = {steps_f:.0f} steps of {step_time_s:.3g} s{clamp}"
+        f"Young/Daly: sqrt(2 x {stall_s:.3g} s stall x {duration(job_mtbf_s)} job MTBF) = "
+        f"{duration(optimum)} = {steps_f:.0f} steps of {step_time_s:.3g} s{clamp}"
     )
     return IntervalChoice(
         steps,
