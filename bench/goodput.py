@@ -99,14 +99,18 @@ def one_run(
     run = RunDir(rig.shared_dir / "runs" / name)
     killer = Killer(rig, run, HOSTS / args.node_mtbf, args.seed)
     killer.start()
-    watch = rlmctl(
-        *inv, "watch", name, "--poll", "1", "--backoff", "2", "--stall", "120",
-        "--restarts", "40", "--exclude-stragglers", "--checkpoint-interval", mode,
-        timeout=args.timeout,
-    )  # fmt: skip
+    try:
+        said = rlmctl(
+            *inv, "watch", name, "--poll", "1", "--backoff", "2", "--stall", "120",
+            "--restarts", "40", "--exclude-stragglers", "--checkpoint-interval", mode,
+            timeout=args.timeout,
+        ).stderr  # fmt: skip
+    except subprocess.TimeoutExpired:
+        said = f"(the run did not end within {args.timeout:g} s: stopped, figures so far)"
+        rlmctl(*inv, "stop", name, "--timeout", "30")
     killer.stop.set()
     killer.join()
-    return goodput(run), killer, watch.stderr
+    return goodput(run), killer, said
 
 
 def report(label: str, g: Goodput, killer: Killer) -> None:
@@ -159,7 +163,7 @@ def main() -> None:
             results[label] = g
             report(f"{label}: {'fixed' if mode == 'keep' else 'auto'} interval", g, killer)
             for line in said.splitlines():
-                if "checkpoint interval:" in line or "excluding straggler" in line:
+                if any(w in line for w in ("checkpoint interval:", "straggler", "did not end")):
                     print(f"    watch: {line.strip()}")
             print("    json: " + json.dumps(g.to_dict(), sort_keys=True))
         a, b = results["a"], results["b"]

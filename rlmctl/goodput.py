@@ -9,6 +9,8 @@ checkpoint-interval section of `plan`, and the lines `status` prints.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -164,6 +166,48 @@ def measured(run: RunDir, g: Goodput | None = None) -> Measured:
     )
 
 
+def _checkpoint_shape(run: RunDir) -> tuple[Any, ...] | None:
+    """What a save's cost depends on: the model and the checkpoint format (from config.yaml)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(run.config_path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    ckpt = cfg.get("checkpoint") or {}
+    return (
+        json.dumps(cfg.get("model"), sort_keys=True),
+        ckpt.get("format"),
+        ckpt.get("async_save"),
+    )
+
+
+def _modified(run: RunDir) -> float:
+    try:
+        return run.events_path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def like_measured(run: RunDir, own: Measured, others: list[RunDir]) -> Measured:
+    """`own` with the stall and step time it lacks taken from the newest other run of the same
+    model and checkpoint settings that measured them."""
+    shape = _checkpoint_shape(run)
+    for other in sorted(others, key=_modified, reverse=True):
+        if shape is None or _checkpoint_shape(other) != shape:
+            continue
+        theirs = measured(other)
+        if theirs.stall_s is None:
+            continue
+        return dataclasses.replace(
+            own,
+            stall_s=own.stall_s if own.stall_s is not None else theirs.stall_s,
+            step_time_s=own.step_time_s if own.step_time_s is not None else theirs.step_time_s,
+            write_s=own.write_s if own.write_s is not None else theirs.write_s,
+        )
+    return own
+
+
 def auto_interval(
     run: RunDir,
     history: Iterable[RunDir],
@@ -179,6 +223,10 @@ def auto_interval(
     nodes = nodes or attempt_nodes(run)
     job_mtbf = seen.node_mtbf_s / nodes if seen.node_mtbf_s else None
     m = measured(run)
+    if m.stall_s is None or m.step_time_s is None:
+        # No save (or step) of its own yet, e.g. failing before its first checkpoint: a run of
+        # the same model and checkpoint settings in the registry measured what it costs.
+        m = like_measured(run, m, [r for r in history if r.path != run.path])
     choice = choose_interval(
         step_time_s=m.step_time_s,
         stall_s=m.stall_s,

@@ -159,3 +159,38 @@ def test_watch_refuses_an_unknown_checkpoint_interval() -> None:
     assert result.returncode == 2
     assert "--checkpoint-interval 'often' must be keep, auto or a number" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_auto_takes_the_stall_from_a_run_of_the_same_model_before_its_own_first_save(
+    tmp_path: Path,
+) -> None:
+    from rlmctl.goodput import auto_interval
+
+    def make(name: str, preset: str, save: bool) -> RunDir:
+        run = RunDir(tmp_path / name).create()
+        run.config_path.write_text(
+            yaml.safe_dump({"model": {"preset": preset}, "checkpoint": {"interval_steps": 100}})
+        )
+        with open(run.events_path, "a") as f:
+            f.write('{"event": "launched", "hosts": ["a", "b"], "time": 1000.0}\n')
+            f.write('{"event": "start", "step": 0, "time": 1001.0}\n')
+        for step in range(1, 11):
+            stall = 2.0 if save and step == 6 else 0.0
+            record = {"kind": "train", "step": step, "step_time": 1.0, "checkpoint_stall": stall}
+            run.append_metrics(
+                {**record, "time": 1001.0 + step + (2.0 if step >= 6 and save else 0)}
+            )
+        with open(run.events_path, "a") as f:
+            if save:
+                f.write('{"event": "checkpoint", "step": 5, "seconds": 2.0, "time": 1008.0}\n')
+            f.write('{"event": "failure", "exit_code": 137, "time": 1020.0}\n')
+        return run
+
+    failing = make("failing", "tiny", save=False)
+    other_model = make("other", "small", save=True)
+    same_model = make("same", "tiny", save=True)
+    choice, seen = auto_interval(failing, [failing, other_model], 1000)
+    assert choice.steps is None and "checkpoint stall" in choice.reason
+    choice, seen = auto_interval(failing, [failing, other_model, same_model], 1000)
+    assert seen.failures == 3  # this run's and the two others' in the registry
+    assert choice.stall_s == pytest.approx(2.0) and choice.steps is not None
