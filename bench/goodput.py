@@ -144,13 +144,7 @@ def main() -> None:
             f"{args.steps} steps, per-node MTBF {args.node_mtbf:g} s (job: "
             f"{args.node_mtbf / HOSTS:g} s), fixed interval {args.interval}, {SLOW_HOST} slow"
         )
-        data = rig.shared_dir / "data"
-        subprocess.run(
-            [sys.executable, "-m", "trainer", "prepare", "--out", str(data), "--seq-len", "64"],
-            cwd=REPO,
-            check=True,
-            capture_output=True,
-        )
+        goodput_faults.prepare_data(rig.shared_dir, REPO)
         goodput_faults.install(rig.shared_dir, REPO)
         slow = goodput_faults.env(slow_here_s=args.slow_s)
         inventory = goodput_faults.rig_inventory(

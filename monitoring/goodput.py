@@ -185,58 +185,57 @@ _RANK_GAUGES = {
 }
 
 
-def families(runs: list[Any]) -> Iterator[Metric]:
-    """The series of `runs` (RunSnapshot-like: `name`, `goodput`, `ranks`)."""
-    ratio = GaugeMetricFamily(
+# Goodput record key → gauge (labels: run).
+_RUN_GAUGES = {
+    "goodput": (
         "rlm_run_goodput_ratio",
         "Share of the run's wall time spent in steps that were kept (runcontract.goodput)",
-        labels=["run"],
-    )
-    wall = GaugeMetricFamily(
-        "rlm_run_wall_seconds", "Wall time of the run so far (first attempt on)", labels=["run"]
-    )
+    ),
+    "wall_s": ("rlm_run_wall_seconds", "Wall time of the run so far (first attempt on)"),
+    "interruptions": ("rlm_run_interruptions", "Attempts ended by a failure or a preemption"),
+    "restart_cost_s": (
+        "rlm_run_restart_cost_seconds",
+        "Mean failure detection + waiting + startup of each restart",
+    ),
+    "at_risk_s": (
+        "rlm_run_at_risk_seconds",
+        "Kept step time since the newest checkpoint: what a failure now would lose",
+    ),
+}
+
+
+def families(runs: list[Any]) -> Iterator[Metric]:
+    """The series of `runs` (RunSnapshot-like: `name`, `goodput`, `ranks`)."""
+    run_gauges = {
+        key: GaugeMetricFamily(name, doc, labels=["run"])
+        for key, (name, doc) in _RUN_GAUGES.items()
+    }
     parts = GaugeMetricFamily(
         "rlm_run_time_seconds",
         "Seconds of the run's wall time per part; the parts add up to rlm_run_wall_seconds",
         labels=["run", "part"],
     )
-    interruptions = GaugeMetricFamily(
-        "rlm_run_interruptions", "Attempts ended by a failure or a preemption", labels=["run"]
-    )
-    restart = GaugeMetricFamily(
-        "rlm_run_restart_cost_seconds",
-        "Mean failure detection + waiting + startup of each restart",
-        labels=["run"],
-    )
-    at_risk = GaugeMetricFamily(
-        "rlm_run_at_risk_seconds",
-        "Kept step time since the newest checkpoint: what a failure now would lose",
-        labels=["run"],
-    )
     count = GaugeMetricFamily(
         "rlm_run_stragglers", "Ranks persistently slower than their peers", labels=["run"]
     )
+    rank_labels = ["run", "rank", "rank_host"]
     flag = GaugeMetricFamily(
         "rlm_rank_straggler",
         "1 when the rank is persistently slower than its peers (runcontract.stragglers)",
-        labels=["run", "rank", "rank_host"],
+        labels=rank_labels,
     )
     rank_gauges = {
-        key: GaugeMetricFamily(name, doc, labels=["run", "rank", "rank_host"])
+        key: GaugeMetricFamily(name, doc, labels=rank_labels)
         for key, (name, doc) in _RANK_GAUGES.items()
     }
     for run in runs:
         g = getattr(run, "goodput", None)
         if g:
-            if g.get("goodput") is not None:
-                ratio.add_metric([run.name], g["goodput"])
-            wall.add_metric([run.name], g["wall_s"])
+            for key, family in run_gauges.items():
+                if g.get(key) is not None:
+                    family.add_metric([run.name], g[key])
             for part in PARTS:
                 parts.add_metric([run.name, part], g["parts"][part])
-            interruptions.add_metric([run.name], g["interruptions"])
-            if g.get("restart_cost_s") is not None:
-                restart.add_metric([run.name], g["restart_cost_s"])
-            at_risk.add_metric([run.name], g["at_risk_s"])
         view = getattr(run, "ranks", None)
         if view:
             count.add_metric([run.name], view["stragglers"])
@@ -246,5 +245,6 @@ def families(runs: list[Any]) -> Iterator[Metric]:
                 for key, family in rank_gauges.items():
                     if rank.get(key) is not None:
                         family.add_metric(labels, rank[key])
-    yield from (ratio, wall, parts, interruptions, restart, at_risk, count, flag)
+    yield from run_gauges.values()
+    yield from (parts, count, flag)
     yield from rank_gauges.values()

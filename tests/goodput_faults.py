@@ -67,6 +67,19 @@ def from_env() -> GoodputFaults:
     return GoodputFaults(**{**values, **tuples})
 
 
+def prepare_data(shared_dir: Path, repo: Path) -> Path:
+    """The bundled corpus tokenised for 64-token sequences in `shared_dir`/data (kept when
+    another test of the session already made it)."""
+    import subprocess
+    import sys
+
+    data = shared_dir / "data"
+    if not data.exists():
+        argv = [sys.executable, "-m", "trainer", "prepare", "--out", str(data), "--seq-len", "64"]
+        subprocess.run(argv, check=True, capture_output=True, cwd=repo)
+    return data
+
+
 def install(shared_dir: Path, repo: Path) -> None:
     """These hooks into a shared directory, the trainers' working directory."""
     for name in FILES:

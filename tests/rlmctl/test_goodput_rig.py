@@ -10,8 +10,6 @@ Run as root with this helper's rig id: RLM_RIG_ID=9 .venv/bin/pytest tests/rlmct
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,14 +28,7 @@ STEPS, KILL_AT = 80, 30
 def test_watch_leaves_out_a_straggler_and_applies_the_measured_interval(
     rig, tmp_path: Path
 ) -> None:
-    data = rig.shared_dir / "data"
-    if not data.exists():  # tests/rlmctl/test_cluster.py may have prepared it
-        subprocess.run(
-            [sys.executable, "-m", "trainer", "prepare", "--out", str(data), "--seq-len", "64"],
-            check=True,
-            capture_output=True,
-            cwd=REPO,
-        )
+    goodput_faults.prepare_data(rig.shared_dir, REPO)
     goodput_faults.install(rig.shared_dir, REPO)
     inventory = goodput_faults.rig_inventory(
         rig.inventory_path,
