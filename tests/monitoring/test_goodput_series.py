@@ -101,3 +101,32 @@ def test_an_active_run_is_figured_as_of_the_settling_horizon(tmp_path: Path) -> 
     later = reader.read(run.path, now=base + 40)
     assert later["steps_kept"] == 5
     assert later["wall_s"] == pytest.approx(base + 10 - run.events()[0].time)
+
+
+def test_the_dashboards_goodput_panels_show_series_the_exporter_writes() -> None:
+    """Grafana's goodput and straggler panels, their recording rules expanded, name only series
+    that monitoring.goodput exports (a renamed gauge leaves no panel silently empty)."""
+    import json
+    import re
+
+    import yaml
+
+    from monitoring.goodput import families
+
+    monitoring = Path(__file__).resolve().parents[2] / "monitoring"
+    dashboard = json.loads((monitoring / "grafana" / "dashboards" / "rlm.json").read_text())
+    rules = yaml.safe_load((monitoring / "prometheus" / "rules" / "goodput.yml").read_text())
+    recorded = {
+        r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r
+    }
+    panels = {p["title"]: p for p in dashboard["panels"]}
+    wanted = ("Goodput", "Where the wall time went", "Rank slowness (own time / peers' median)")
+    assert all(title in panels for title in wanted)
+    exprs = [t["expr"] for title in wanted for t in panels[title]["targets"]]
+    used_rules = {name for e in exprs for name in re.findall(r"rlm:[a-z0-9_:]+", e)}
+    assert used_rules and used_rules <= recorded.keys()
+    exprs += [recorded[name] for name in used_rules]
+    used = {name for e in exprs for name in re.findall(r"\brlm_[a-z0-9_]+", e)}
+    exported = {family.name for family in families([])}
+    assert {"rlm_run_goodput_ratio", "rlm_run_time_seconds", "rlm_rank_slowness_ratio"} <= used
+    assert used <= exported, used - exported
