@@ -6,10 +6,11 @@ BIN := $(VENV)/bin
 # for monitoring, nftables for the firewall role, iproute2 for namespaces; mmdebstrap,
 # systemd-container (systemd-nspawn) and apt-utils (apt-ftparchive) for the rig's systemd nodes;
 # rocm-smi (the real AMD tool, runs without a GPU) for the exporter's recorded fixture; gpg signs
-# the stand-in vendor repositories (tests/ansible/vendor_repo.py).
+# the stand-in vendor repositories (tests/ansible/vendor_repo.py); podman builds and runs the
+# trainer's OCI image offline (tests/rig/container.py), with runc where cgroups are hybrid.
 TEST_SYSTEM_PACKAGES := openssh-server openssh-client prometheus prometheus-alertmanager \
 	prometheus-node-exporter nftables iproute2 procps psmisc util-linux \
-	mmdebstrap systemd-container apt-utils rocm-smi python3-firewall gpg
+	mmdebstrap systemd-container apt-utils rocm-smi python3-firewall gpg podman runc
 DEMO_SYSTEM_PACKAGES := procps
 
 .PHONY: demo test lint bench venv clean

@@ -59,7 +59,11 @@ def free_port() -> int:
 def fake_tools(bin_dir: Path) -> None:
     bin_dir.mkdir()
     # nvidia-smi answers each grouped query from the fixture (tests/monitoring/nvidia_smi_standin.py).
-    nvidia = f"exec '{sys.executable}' '{STANDIN}' '{FIXTURES / 'nvidia-smi-8gpu.csv'}' -- \"$@\""
+    nvidia = (
+        f"exec '{sys.executable}' '{STANDIN}' '{FIXTURES / 'nvidia-smi-8gpu.csv'}' "
+        f"--full-query '{FIXTURES / 'nvidia-smi-q-8gpu.txt'}' "
+        f"--nvlink '{FIXTURES / 'nvidia-smi-nvlink-e-8gpu.txt'}' -- \"$@\""
+    )
     for name, command in (("nvidia-smi", nvidia), ("dmesg", f"cat '{FIXTURES / 'dmesg-xid.txt'}'")):
         path = bin_dir / name
         path.write_text(f"#!/bin/sh\n{command}\n")

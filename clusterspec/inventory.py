@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -39,13 +40,15 @@ class InventoryError(Exception):
 @dataclass(frozen=True)
 class Host:
     name: str
-    address: str
-    port: int
-    user: str | None
+    address: str  # what Ansible connects to: ansible_host (an ssh configuration may map it)
+    port: int  # ansible_port (22 when unset)
+    user: str | None  # ansible_user
     connection: str  # "ssh" or "local"
-    key_file: str | None
-    known_hosts_file: str | None
-    strict_host_key_checking: str  # "yes" (default), "accept-new" or "no"
+    # The arguments Ansible's ssh connection gives `ssh` for this host (ansible.cfg's ssh_args,
+    # host_key_checking, ansible_port, ansible_ssh_private_key_file, ansible_user,
+    # ansible_ssh_common_args, ansible_ssh_extra_args): rlmctl.sshconfig resolves them with the
+    # ssh configuration files as `ssh` does.
+    ssh_args: tuple[str, ...]
     groups: tuple[str, ...]
     gpus_per_node: int
     gpu_vendor: str  # "nvidia", "amd", "none" or "auto" (detected on the host)
@@ -106,22 +109,65 @@ class Host:
         }
 
 
-def ssh_options(common_args: str) -> dict[str, str]:
-    """`-o Key=Value` pairs of an ansible_ssh_common_args string, keys lower-cased like ssh does."""
-    options: dict[str, str] = {}
-    words = shlex.split(common_args or "")
-    for index, word in enumerate(words):
-        if word == "-o" and index + 1 < len(words):
-            option = words[index + 1]
-        elif word.startswith("-o") and len(word) > 2:
-            option = word[2:]
-        else:
-            continue
-        key, sep, value = option.partition("=")
-        if not sep:
-            key, _, value = option.partition(" ")
-        options[key.strip().lower()] = value.strip()
-    return options
+# The options of Ansible's ssh connection plugin that shape the `ssh` command line.
+SSH_PLUGIN_OPTIONS = (
+    "host",
+    "remote_user",
+    "port",
+    "ssh_args",
+    "ssh_common_args",
+    "ssh_extra_args",
+    "private_key_file",
+    "host_key_checking",
+)
+
+
+class SshSettings:
+    """Ansible's ssh connection options outside the inventory (ansible.cfg, ANSIBLE_* environment,
+    defaults), read once, and the host variables that override each (`ansible_user`,
+    `ansible_ssh_user`, ...), in Ansible's order: the last variable listed that a host sets wins.
+    """
+
+    def __init__(self) -> None:
+        from ansible import constants
+        from ansible.plugins.loader import connection_loader
+
+        connection_loader.get("ssh", class_only=True)  # registers the plugin's options
+        definitions = constants.config.get_configuration_definitions("connection", "ssh")
+        self.base = constants.config.get_plugin_options("connection", "ssh", variables={})
+        self.variables = {
+            name: [entry["name"] for entry in definitions[name].get("vars", [])]
+            for name in SSH_PLUGIN_OPTIONS
+        }
+
+    def options(self, var: Any, hostvars: dict[str, Any]) -> dict[str, Any]:
+        """The plugin's options for one host (`var(name)`: the host's templated variable)."""
+        values = {name: self.base.get(name) for name in SSH_PLUGIN_OPTIONS}
+        for name, names in self.variables.items():
+            for variable in names:
+                if variable in hostvars:
+                    values[name] = var(variable)
+        return values
+
+
+def ssh_command_args(options: dict[str, Any], key_file: str | None) -> tuple[str, ...]:
+    """The options part of the `ssh` command Ansible builds (its ssh plugin's _build_command, less
+    its own ControlPath and authentication-method options): for every option, the first value
+    `ssh` sees wins."""
+    from ansible.module_utils.parsing.convert_bool import boolean
+
+    args = shlex.split(str(options["ssh_args"] or ""))
+    if options["host_key_checking"] is not None and not boolean(options["host_key_checking"]):
+        args += ["-o", "StrictHostKeyChecking=no"]
+    if options["port"] is not None:
+        args += ["-o", f"Port={options['port']}"]
+    if key_file:
+        args += ["-o", f"IdentityFile={key_file}"]
+    if options["remote_user"]:
+        args += ["-o", f"User={options['remote_user']}"]
+    for name in ("ssh_common_args", "ssh_extra_args"):
+        args += shlex.split(str(options[name] or ""))
+    return tuple(args)
 
 
 class Inventory:
@@ -179,9 +225,36 @@ class Inventory:
 
 @contextlib.contextmanager
 def _quiet() -> Any:
-    """Ansible prints warnings while it parses; we turn failures into one-line errors instead."""
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        yield
+    """Ansible prints warnings while it parses; we turn failures into one-line errors instead
+    (the captured warnings, yielded, say why a source failed to parse)."""
+    captured = io.StringIO()
+    with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(io.StringIO()):
+        yield captured
+
+
+PARSE_FAILURE = re.compile(r"Failed to parse inventory with '(\w+)' plugin: (.+)")
+ORIGIN = re.compile(r"^Origin: (.+):(\d+):(\d+)$", re.MULTILINE)
+
+
+def _parse_failure(warnings: str, source: Path) -> str | None:
+    """Why Ansible could not parse `source`, from its warnings: the reason of the plugin that
+    reads files of its kind (yaml for .yml/.yaml, ini otherwise), with the line and column."""
+    if source.is_dir():
+        wanted: tuple[str, ...] = ("yaml", "auto", "ini")
+    else:
+        wanted = ("yaml", "auto") if source.suffix in (".yml", ".yaml") else ("ini",)
+    for block in re.split(r"\[WARNING\]: ", warnings):
+        match = PARSE_FAILURE.search(block)
+        if match is None or match.group(1) not in wanted:
+            continue
+        reason = match.group(2).strip().rstrip(".")
+        origin = ORIGIN.search(block)
+        where = f" (line {origin.group(2)}, column {origin.group(3)})" if origin else ""
+        if "duplicate mapping key" in reason:
+            reason += f"{where}: a host, group or variable is given twice; keep one"
+            where = ""
+        return reason + where
+    return None
 
 
 def _first_reason(error: Exception) -> str:
@@ -203,20 +276,27 @@ def load(source: str | Path) -> Inventory:
     os.environ.setdefault("ANSIBLE_INVENTORY_UNPARSED_FAILED", "true")
     os.environ.setdefault("ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED", "true")
     os.environ.setdefault("ANSIBLE_LOCALHOST_WARNING", "false")
+    # A key given twice in one YAML mapping (a host defined twice) keeps only the last: refuse.
+    os.environ.setdefault("ANSIBLE_DUPLICATE_YAML_DICT_KEY", "error")
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
     from ansible.vars.manager import VariableManager
 
     loader = DataLoader()
+    warnings = io.StringIO()
     try:
-        with _quiet():
+        with _quiet() as warnings:
             manager = InventoryManager(loader=loader, sources=[str(source)])
             variables = VariableManager(loader=loader, inventory=manager)
-            hosts = {h.name: _host(h, variables, loader, source) for h in manager.get_hosts("all")}
+            ssh = SshSettings()
+            hosts = {
+                h.name: _host(h, variables, loader, source, ssh) for h in manager.get_hosts("all")
+            }
     except AnsibleError as error:
+        reason = _parse_failure(warnings.getvalue(), source) or _first_reason(error)
         raise InventoryError(
-            f"cannot load inventory {source}: {_first_reason(error)}; "
+            f"cannot load inventory {source}: {reason}; "
             f"check it with `ansible-inventory -i {source} --graph`"
         ) from None
     if not hosts:
@@ -240,7 +320,7 @@ def _refuse_duplicates(hosts: dict[str, Host], source: Path) -> None:
         seen[key] = host.name
 
 
-def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
+def _host(host: Any, variables: Any, loader: Any, source: Path, ssh: SshSettings) -> Host:
     from ansible.errors import AnsibleError
     from ansible.template import Templar
 
@@ -269,9 +349,9 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
             ) from None
 
     inventory_dir = Path(str(hostvars.get("inventory_dir") or source.parent))
-    options = ssh_options(str(var("ansible_ssh_common_args", "") or ""))
-    known_hosts = options.get("userknownhostsfile")
-    key_file = var("ansible_ssh_private_key_file") or var("ansible_private_key_file")
+    options = ssh.options(var, hostvars)
+    key_file = options["private_key_file"]
+    port = options["port"]
     shared_dir = str(var("rlm_shared_dir"))
     comm_env = var("rlm_comm_env") or {}
     if not isinstance(comm_env, dict):
@@ -320,15 +400,20 @@ def _host(host: Any, variables: Any, loader: Any, source: Path) -> Host:
     # The one exception the spec documents: a local host without rlm_venv uses this interpreter.
     venv = None if connection == "local" and "rlm_venv" not in hostvars else var("rlm_venv")
     venv = _expand(str(venv), inventory_dir) if venv else None
+    try:
+        port = 22 if port is None else int(port)
+    except (TypeError, ValueError):
+        raise InventoryError(
+            f"host {host.name}: ansible_port must be an integer, got {port!r}; fix it in {source}"
+        ) from None
+    key_file = _expand(str(key_file), inventory_dir) if key_file else None
     return Host(
         name=host.name,
-        address=str(var("ansible_host", host.name)),
-        port=integer("ansible_port", 22),
-        user=var("ansible_user"),
+        address=str(options["host"] or host.name),
+        port=port,
+        user=str(options["remote_user"]) if options["remote_user"] else None,
         connection=connection,
-        key_file=_expand(key_file, inventory_dir) if key_file else None,
-        known_hosts_file=_expand(known_hosts, inventory_dir) if known_hosts else None,
-        strict_host_key_checking=options.get("stricthostkeychecking", "yes").lower(),
+        ssh_args=ssh_command_args(options, key_file),
         groups=tuple(sorted(g.name for g in host.get_groups() if g.name != "all")),
         gpus_per_node=integer("rlm_gpus_per_node"),
         gpu_vendor=vendor,

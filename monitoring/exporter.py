@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -41,6 +42,8 @@ DEFAULT_PORT = default("rlm_exporter_port")
 RUN_STATES = ("starting", "running", "done", "stopped", "failed")
 # A finished run stays visible this long so dashboards show how it ended.
 FINISHED_RUN_VISIBLE_S = 3600.0
+# The link error counters (PCIe replays, NVLink) are read every this many GPU reads.
+COUNTERS_EVERY = 6
 NETWORK_FILESYSTEMS = {"lustre", "nfs", "nfs4", "beegfs", "gpfs", "ceph", "cephfs", "wekafs"}
 
 
@@ -216,18 +219,43 @@ class KernelLogProbe:
         return {key: len(lines) for key, lines in self._lines.items()}
 
 
+class CountersProbe:
+    """The vendor's link error counters (PCIe replays, NVLink errors), read on their own and less
+    often than the GPU tool: `nvidia-smi -q` is the expensive call."""
+
+    def __init__(self, source: str, timeout_s: float, errors: ErrorCounts) -> None:
+        self.source = source
+        self.command, self.parse = gpu.COUNTERS[source]
+        self.timeout_s = timeout_s
+        self.errors = errors
+
+    def __call__(self) -> gpu.LinkCounters:
+        output = gpu.run_tool(self.command, self.timeout_s, f"{self.source} counters")
+        counters = self.parse(output.stdout)
+        if not counters.pcie_replays and not counters.interconnect_errors:
+            raise gpu.ToolError(f"{self.source} printed no link counters: {output.stderr_tail}")
+        for problem in counters.problems:
+            self.errors.count("gpu-counters", problem)
+        return counters
+
+
 # Run directories --------------------------------------------------------------------------------
 @dataclass
 class RunSnapshot:
     name: str
     status: dict[str, Any]
-    restarts: int
-    checkpoint_failures: int
-    checkpoint_step: int | None
-    checkpoint_mtime: float | None
+    # None where events.jsonl could not be read: a counter must not drop to 0 and back.
+    restarts: int | None = None
+    checkpoint_failures: int | None = None
+    checkpoint_step: int | None = None
+    checkpoint_mtime: float | None = None
     exit_codes: list[int] = field(default_factory=list)  # of the newest attempt
     goodput: dict[str, Any] | None = None  # runcontract.goodput, as of a moment ago
     ranks: dict[str, Any] | None = None  # this host's ranks and the stragglers (ranks.json)
+    logs_updated: float | None = None  # newest mtime of the launcher logs and metrics.jsonl
+    # Run files that exist but cannot be read or parsed (status.json, events.jsonl): counted as
+    # errors and exported, since the run then shows with no state and nothing else can fire.
+    unreadable: list[str] = field(default_factory=list)
 
 
 def find_run_dirs(run_roots: Iterable[Path], run_dirs: Iterable[Path]) -> list[Path]:
@@ -245,11 +273,35 @@ def find_run_dirs(run_roots: Iterable[Path], run_dirs: Iterable[Path]) -> list[P
     return found
 
 
+def status_unreadable(path: Path) -> bool:
+    """Whether a status.json that RunDir read as empty exists but is not a readable JSON object
+    (the trainer replaces it atomically, so a reader never sees a torn one)."""
+    try:
+        return not isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+def newest_mtime(paths: Iterable[Path]) -> float | None:
+    times = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            times.append(path.stat().st_mtime)
+    return max(times, default=None)
+
+
 def read_run(path: Path) -> RunSnapshot:
     run = RunDir(path)
     status = run.read_status()
-    events = run.events()
+    unreadable = ["status.json"] if not status and status_unreadable(run.status_path) else []
+    try:
+        events = run.events()
+    except OSError:
+        return RunSnapshot(run.name, status, unreadable=[*unreadable, run.events_path.name])
     checkpoint = run.latest_valid_checkpoint()
+    logs = [run.metrics_path, *(run.path / "hosts").glob("*/launcher.log")]
     return RunSnapshot(
         name=run.name,
         status=status,
@@ -258,6 +310,8 @@ def read_run(path: Path) -> RunSnapshot:
         checkpoint_step=checkpoint.step if checkpoint else None,
         checkpoint_mtime=checkpoint.mtime if checkpoint else None,
         exit_codes=run.attempt_exit_codes(events),
+        logs_updated=newest_mtime(logs),
+        unreadable=unreadable,
     )
 
 
@@ -269,11 +323,11 @@ def is_visible(snapshot: RunSnapshot, now: float) -> bool:
     return isinstance(updated, int | float) and now - updated < FINISHED_RUN_VISIBLE_S
 
 
-class PartialResult(list):
-    """A probe result that is usable but incomplete: exported, with source_up 0."""
-
-
 class RunProbe:
+    """Every run directory under the run roots. A root that cannot be listed fails the source
+    (a hung or lost shared filesystem); a run whose files cannot be read is exported with them
+    named (rlm_run_unreadable) and each counted as an error."""
+
     def __init__(self, run_roots: list[Path], run_dirs: list[Path], errors: ErrorCounts) -> None:
         self.run_roots = run_roots
         self.run_dirs = run_dirs
@@ -281,20 +335,20 @@ class RunProbe:
         self.goodput = goodput_series.GoodputReader()
 
     def __call__(self) -> list[RunSnapshot]:
-        snapshots, failures = [], []
+        snapshots = []
         for path in find_run_dirs(self.run_roots, self.run_dirs):
             try:
-                snapshots.append(read_run(path))
+                snapshot = read_run(path)
             except OSError as error:
-                failures.append(f"{path}: {error.strerror or error}")
+                snapshot = RunSnapshot(
+                    path.name, {}, unreadable=[Path(error.filename or path).name]
+                )
+            for name in snapshot.unreadable:
+                self.errors.count("rundir", f"cannot read {name} of run directory {path}")
+            snapshots.append(snapshot)
         now = time.time()
         visible = [s for s in snapshots if is_visible(s, now)]
         self.goodput.add_to(visible, self.run_roots, self.run_dirs)
-        if failures:
-            # Readable runs are still exported; the source reports the failure.
-            for failure in failures:
-                self.errors.count("rundir", f"cannot read run directory {failure}")
-            return PartialResult(visible)
         return visible
 
 
@@ -347,7 +401,20 @@ def runs_trainer(argv: list[str]) -> bool:
     return False
 
 
-def trainer_processes(proc: str = "/proc") -> list[psutil.Process]:
+def run_of(argv: list[str]) -> str:
+    """The run a trainer command line works for: the name of its `run_dir=` override (rlmctl and
+    the Slurm batch script always pass one); "" when it has none."""
+    paths = [arg.split("=", 1)[1] for arg in argv if arg.startswith("run_dir=")]
+    return os.path.basename(paths[-1].rstrip("/")) if paths else ""
+
+
+@dataclass
+class TrainerProcess:
+    process: psutil.Process
+    run: str  # "" when the command line names no run directory
+
+
+def trainer_processes(proc: str = "/proc") -> list[TrainerProcess]:
     # Plain reads of /proc/<pid>/cmdline, cheapest first: psutil.process_iter costs ~10x more per
     # process. No caching by PID: a forked worker shows its parent's command line until it execs.
     found = []
@@ -359,9 +426,10 @@ def trainer_processes(proc: str = "/proc") -> list[psutil.Process]:
                 raw = f.read()
         except OSError:
             continue  # exited meanwhile
-        if b"train" in raw and runs_trainer(raw.decode(errors="replace").split("\0")[:-1]):
+        argv = raw.decode(errors="replace").split("\0")[:-1] if b"train" in raw else []
+        if argv and runs_trainer(argv):
             with contextlib.suppress(psutil.Error):
-                found.append(psutil.Process(int(name)))
+                found.append(TrainerProcess(psutil.Process(int(name)), run_of(argv)))
     return found
 
 
@@ -380,9 +448,26 @@ GPU_FAMILIES = (
     ("memory_used_bytes", GaugeMetricFamily, "rlm_gpu_memory_used_bytes", "GPU memory in use"),
     ("memory_total_bytes", GaugeMetricFamily, "rlm_gpu_memory_total_bytes", "GPU memory size"),
     ("temperature_celsius", GaugeMetricFamily, "rlm_gpu_temperature_celsius", "Hottest sensor"),
+    (
+        "memory_temperature_celsius",
+        GaugeMetricFamily,
+        "rlm_gpu_memory_temperature_celsius",
+        "HBM temperature",
+    ),
     ("power_watts", GaugeMetricFamily, "rlm_gpu_power_watts", "GPU power draw"),
     ("power_limit_watts", GaugeMetricFamily, "rlm_gpu_power_limit_watts", "Enforced power cap"),
-    ("power_throttled", GaugeMetricFamily, "rlm_gpu_power_throttled", "1 while held by the cap"),
+    (
+        "row_remap_pending",
+        GaugeMetricFamily,
+        "rlm_gpu_row_remap_pending",
+        "1 while a remapped memory row waits for a GPU reset",
+    ),
+    (
+        "row_remap_failed",
+        GaugeMetricFamily,
+        "rlm_gpu_row_remap_failed",
+        "1 once a memory row remap has failed",
+    ),
     (
         "ecc_uncorrected_total",
         CounterMetricFamily,
@@ -409,10 +494,12 @@ class RlmCollector(Collector):
         kernel_log: Source | None = None,
         expected_gpus: int | None = None,
         processes: Source | None = None,
+        counters: Source | None = None,
     ) -> None:
         self.gpu_source = gpu_source
         self.errors = errors
-        sources = (gpu_state, kernel_log, runs, filesystem, processes)
+        self.counters = counters
+        sources = (gpu_state, kernel_log, counters, runs, filesystem, processes)
         self.sources = {s.name: s for s in sources if s}
         self.processes = processes
         self.gpu_state = gpu_state
@@ -444,8 +531,8 @@ class RlmCollector(Collector):
             labels=["source"],
         )
         for name, source in self.sources.items():
-            ok, result = source.snapshot()
-            up.add_metric([name], 1 if ok and not isinstance(result, PartialResult) else 0)
+            ok, _ = source.snapshot()
+            up.add_metric([name], 1 if ok else 0)
         yield up
         errors = CounterMetricFamily(
             "rlm_exporter_errors",
@@ -502,6 +589,40 @@ class RlmCollector(Collector):
                     family.add_metric([reading.gpu, reading.uuid or ""], value)
             if family.samples:
                 yield family
+        yield from self._clock_and_link_metrics(listed)
+
+    def _clock_and_link_metrics(self, listed: list[gpu.GpuReading]) -> Iterator[Metric]:
+        """Clock event reasons, PCIe replays and interconnect errors: from the GPU tool's reading
+        (amd-smi) or from the link counters read on their own (nvidia-smi -q, nvlink -e)."""
+        _, counters = self.counters.snapshot() if self.counters else (False, None)
+        clock = GaugeMetricFamily(
+            "rlm_gpu_clock_event",
+            "1 while the GPU's clocks are held back for this reason (sw_power_cap is normal at "
+            "full load)",
+            labels=["gpu", "uuid", "reason"],
+        )
+        replays = CounterMetricFamily(
+            "rlm_gpu_pcie_replays", "PCIe replays (link-level retries)", labels=["gpu", "uuid"]
+        )
+        links = CounterMetricFamily(
+            "rlm_gpu_interconnect_errors",
+            "NVLink (per link) and XGMI error counters",
+            labels=["gpu", "uuid", "link", "counter"],
+        )
+        for reading in listed:
+            identity = [reading.gpu, reading.uuid or ""]
+            for reason, state in sorted(reading.clock_events.items()):
+                clock.add_metric([*identity, reason], state)
+            replay_count = reading.pcie_replays_total
+            errors = dict(reading.interconnect_errors)
+            if counters is not None:
+                replay_count = counters.pcie_replays.get(reading.pci_bus, replay_count)
+                errors.update(counters.interconnect_errors.get(reading.uuid, {}))
+            if replay_count is not None:
+                replays.add_metric(identity, replay_count)
+            for (link, counter), value in sorted(errors.items()):
+                links.add_metric([*identity, link, counter], value)
+        yield from (family for family in (clock, replays, links) if family.samples)
 
     def _xid_metrics(self) -> Iterator[Metric]:
         if self.kernel_log is None or self.gpu_state is None:
@@ -572,8 +693,22 @@ class RlmCollector(Collector):
             "host's torchrun, else 0; absent while none has exited",
             labels=["run"],
         )
+        logs_updated = GaugeMetricFamily(
+            "rlm_run_logs_updated_timestamp_seconds",
+            "Newest change of the run's launcher logs and metrics.jsonl (unix time)",
+            labels=["run"],
+        )
+        unreadable = GaugeMetricFamily(
+            "rlm_run_unreadable",
+            "1 for a run file that exists but cannot be read or parsed",
+            labels=["run", "file"],
+        )
         now = time.time()
         for run in snapshots:
+            for name in run.unreadable:
+                unreadable.add_metric([run.name, name], 1)
+            if run.logs_updated is not None:
+                logs_updated.add_metric([run.name], run.logs_updated)
             if run.exit_codes:
                 failing = [code for code in run.exit_codes if code != 0]
                 exit_code.add_metric([run.name], failing[0] if failing else 0)
@@ -584,14 +719,17 @@ class RlmCollector(Collector):
                 value = run.status.get(key)
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     family.add_metric([run.name], value)
-            restarts.add_metric([run.name], run.restarts)
-            failures.add_metric([run.name], run.checkpoint_failures)
+            if run.restarts is not None:
+                restarts.add_metric([run.name], run.restarts)
+            if run.checkpoint_failures is not None:
+                failures.add_metric([run.name], run.checkpoint_failures)
             if run.checkpoint_step is not None and run.checkpoint_mtime is not None:
                 checkpoint_step.add_metric([run.name], run.checkpoint_step)
                 checkpoint_age.add_metric([run.name], max(0.0, now - run.checkpoint_mtime))
         yield state
         yield from status_gauges.values()
         yield from (restarts, failures, checkpoint_step, checkpoint_age, exit_code)
+        yield from (logs_updated, unreadable)
         yield from goodput_series.families(snapshots)
 
     def _filesystem_metrics(self) -> Iterator[Metric]:
@@ -619,6 +757,12 @@ class RlmCollector(Collector):
             "rlm_trainer_resident_memory_bytes", "Trainer worker RSS", labels=["pid"]
         )
         fds = GaugeMetricFamily("rlm_trainer_open_fds", "Trainer worker open files", labels=["pid"])
+        per_run = GaugeMetricFamily(
+            "rlm_run_workers",
+            "Trainer workers of the run on this host (from their run_dir= argument)",
+            labels=["run"],
+        )
+        runs: dict[str, int] = {}
         count = 0
         # The background scan's newest list (a scrape only reads each worker's own /proc files);
         # without that source, a scan now.
@@ -626,7 +770,8 @@ class RlmCollector(Collector):
             workers = trainer_processes()
         else:
             workers = self.processes.snapshot()[1] or []
-        for process in workers:
+        for worker in workers:
+            process = worker.process
             try:
                 with process.oneshot():
                     memory = process.memory_info().rss
@@ -634,11 +779,15 @@ class RlmCollector(Collector):
             except psutil.Error:
                 continue  # exited between listing and reading
             count += 1
+            if worker.run:
+                runs[worker.run] = runs.get(worker.run, 0) + 1
             pid = str(process.pid)
             rss.add_metric([pid], memory)
             fds.add_metric([pid], open_fds)
         alive.add_metric([], count)
-        yield from (alive, rss, fds)
+        for run, workers_of_run in sorted(runs.items()):
+            per_run.add_metric([run], workers_of_run)
+        yield from (alive, rss, fds, per_run)
 
     def _network_metrics(self) -> Iterator[Metric]:
         received = CounterMetricFamily(
@@ -682,13 +831,18 @@ def build_collector(args: argparse.Namespace) -> RlmCollector:
     source = gpu.detect_source() if args.gpu_source == "auto" else args.gpu_source
     source = None if source == "none" else source
     timeout_s = min(args.interval, 10.0)
-    gpu_state = kernel_log = runs = filesystem = None
+    gpu_state = kernel_log = counters = runs = filesystem = None
     errors = ErrorCounts()
     if source:
         gpu_state = Source(source, GpuProbe(source, timeout_s, errors), args.interval, errors)
         if source in gpu.KERNEL_LOGS:
             probe = KernelLogProbe(source, timeout_s)
             kernel_log = Source("dmesg", probe, args.interval, errors)
+        if source in gpu.COUNTERS:
+            # Counters for 15-minute windows: every COUNTERS_EVERY reads of the GPU tool.
+            interval = args.interval * COUNTERS_EVERY
+            probe = CountersProbe(source, min(interval, 30.0), errors)
+            counters = Source("gpu-counters", probe, interval, errors)
     if args.run_root or args.run_dir:
         probe = RunProbe(args.run_root, args.run_dir, errors)
         runs = Source("rundir", probe, args.interval, errors)
@@ -699,8 +853,9 @@ def build_collector(args: argparse.Namespace) -> RlmCollector:
     if shared:
         filesystem = Source("sharedfs", lambda: probe_filesystem(shared), args.interval, errors)
     collector = RlmCollector(
-        source, gpu_state, runs, filesystem, errors, kernel_log, args.expected_gpus, processes
-    )
+        source, gpu_state, runs, filesystem, errors, kernel_log, args.expected_gpus, processes,
+        counters,
+    )  # fmt: skip
     for name in collector.sources:
         errors.add_source(name)  # every error counter exists from 0, for rate()/increase()
     return collector

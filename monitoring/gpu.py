@@ -17,14 +17,16 @@ from dataclasses import dataclass
 import psutil
 
 from clusterspec import vendors
-from clusterspec.vendors.readings import GpuReading, ParseResult, ToolError
+from clusterspec.vendors.readings import GpuReading, LinkCounters, ParseResult, ToolError
 
 __all__ = [
     "COMMANDS",
+    "COUNTERS",
     "KERNEL_LOGS",
     "PARSERS",
     "SOURCES",
     "GpuReading",
+    "LinkCounters",
     "ParseResult",
     "ToolError",
 ]
@@ -33,6 +35,12 @@ __all__ = [
 COMMANDS = {tool: module.TOOLS[tool] for tool, module in vendors.tools().items()}
 PARSERS = {tool: module.PARSERS[tool] for tool, module in vendors.tools().items()}
 SOURCES = tuple(COMMANDS)
+# Tool name -> its link-counter command and parser (vendors whose tool does not report them).
+COUNTERS = {
+    tool: (module.COUNTERS[tool], module.COUNTER_PARSERS[tool])
+    for tool, module in vendors.tools().items()
+    if tool in module.COUNTERS
+}
 # Tool name -> its vendor's kernel-log command and XID reader (None where the vendor has none).
 KERNEL_LOGS = {
     tool: (module.KERNEL_LOG, module.xid_events)

@@ -38,12 +38,18 @@ PLOTS_DIR = "acceptance"
 
 @dataclass
 class Criterion:
+    """One row of the verdict: `threshold` and `measured` in words for people, `value` and
+    `limit` as numbers in `unit` for scripts (None where nothing was measured)."""
+
     name: str
     threshold: str
     measured: str
     verdict: str
     source: str
     reason: str = ""
+    value: float | None = None
+    unit: str = ""
+    limit: float | None = None
 
 
 @dataclass
@@ -97,17 +103,55 @@ class RunData:
 
     @classmethod
     def load(cls, run_dir: RunDir) -> RunData:
-        records = run_dir.read_metrics() if run_dir.metrics_path.exists() else []
+        records = read_records(run_dir.metrics_path)
         return cls(
             train=[r for r in records if r.get("kind") == "train"],
             val=[r for r in records if r.get("kind") == "val"],
-            events=run_dir.read_events() if run_dir.events_path.exists() else [],
+            events=read_records(run_dir.events_path),
             run_dir=run_dir,
         )
 
     def start(self) -> dict[str, Any]:
         starts = [e for e in self.events if e.get("event") == EventKind.START]
         return starts[-1] if starts else {}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file of the run directory, checked: a last line without its
+    newline is a writer still busy (skipped); anything else that is not a JSON object (binary
+    garbage, another file copied over it) is a one-line error naming the file and line."""
+    from rlmctl.errors import RlmctlError
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as error:
+        raise RlmctlError(f"cannot read {path}: {error.strerror}") from None
+    lines = data.split(b"\n")
+    records = []
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        torn = number == len(lines)  # no newline after it yet
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            problem = "is not text (not UTF-8)"
+        except ValueError:
+            if torn:
+                continue
+            problem = "is not JSON"
+        else:
+            if isinstance(record, dict):
+                records.append(record)
+                continue
+            problem = f"is a JSON {type(record).__name__}, not a record"
+        raise RlmctlError(
+            f"{path} is not JSON lines as the trainer writes them: line {number} {problem}; "
+            "restore the file, or move it aside (accept then has no data from it)"
+        )
+    return records
 
 
 def _number(value: Any) -> float | None:
@@ -144,7 +188,10 @@ def tflops_per_gpu(data: RunData, t: dict[str, Any]) -> Criterion:
     steady = values[len(values) // 2 :]  # the second half: compile and warm-up left out
     measured = statistics.median(steady)
     verdict = PASS if measured >= threshold else FAIL
-    return Criterion(name, f">= {threshold:g} ({why})", f"{measured:.4g} median", verdict, source)
+    return Criterion(
+        name, f">= {threshold:g} ({why})", f"{measured:.4g} median", verdict, source,
+        value=measured, unit="TFLOP/s", limit=threshold,
+    )  # fmt: skip
 
 
 def loss_falling(data: RunData, t: dict[str, Any]) -> Criterion:
@@ -174,8 +221,9 @@ def loss_falling(data: RunData, t: dict[str, Any]) -> Criterion:
     change = slope * (steps[-1] - steps[0])
     measured = f"{change:+.4f} over steps {int(steps[0])}-{int(steps[-1])}"
     return Criterion(
-        name, threshold, measured, PASS if slope < 0 else FAIL, "metrics.jsonl loss, recurrence"
-    )
+        name, threshold, measured, PASS if slope < 0 else FAIL, "metrics.jsonl loss, recurrence",
+        value=change, unit="loss change over the window", limit=0.0,
+    )  # fmt: skip
 
 
 def _val_depths(data: RunData) -> list[dict[str, float]]:
@@ -200,7 +248,11 @@ def val_ppl_falling(data: RunData, t: dict[str, Any]) -> Criterion:
     measured = ", ".join(f"d{d} {first[d]:.4g}->{last[d]:.4g}" for d in depths)
     reason = f"not falling at depth {', '.join(stuck)}" if stuck else ""
     verdict = FAIL if stuck or not depths else PASS
-    return Criterion(name, "last < first per depth", measured, verdict, source, reason)
+    worst = max((last[d] / first[d] for d in depths if first[d]), default=None)
+    return Criterion(
+        name, "last < first per depth", measured, verdict, source, reason,
+        value=worst, unit="last/first perplexity, worst depth", limit=1.0,
+    )  # fmt: skip
 
 
 def ppl_falls_with_depth(data: RunData, t: dict[str, Any]) -> Criterion:
@@ -220,7 +272,12 @@ def ppl_falls_with_depth(data: RunData, t: dict[str, Any]) -> Criterion:
     ]
     measured = ", ".join(f"d{d} {last[d]:.4g}" for d in depths)
     reason = "rises at " + ", ".join(rising) if rising else ""
-    return Criterion(name, threshold, measured, FAIL if rising else PASS, source, reason)
+    worst = max((last[b] / last[a] for a, b in itertools.pairwise(depths) if last[a]), default=None)
+    return Criterion(
+        name, threshold, measured, FAIL if rising else PASS, source, reason,
+        value=worst, unit="deeper/shallower perplexity, worst pair",
+        limit=1 + t["depth_tolerance"],
+    )  # fmt: skip
 
 
 def grad_norm_stable(data: RunData, t: dict[str, Any]) -> Criterion:
@@ -239,7 +296,10 @@ def grad_norm_stable(data: RunData, t: dict[str, Any]) -> Criterion:
     peak = max(v for _, v in norms)
     measured = f"max {peak / median:.3g} x median {median:.3g}"
     reason = f"spikes at steps {spikes[:5]}" if spikes else ""
-    return Criterion(name, threshold, measured, FAIL if spikes else PASS, source, reason)
+    return Criterion(
+        name, threshold, measured, FAIL if spikes else PASS, source, reason,
+        value=peak / median if median else None, unit="x median grad norm", limit=k,
+    )  # fmt: skip
 
 
 def lr_smooth(data: RunData, t: dict[str, Any]) -> Criterion:
@@ -255,7 +315,10 @@ def lr_smooth(data: RunData, t: dict[str, Any]) -> Criterion:
     worst_step, worst = max(jumps, key=lambda j: j[1])
     verdict = PASS if worst <= t["lr_max_jump"] else FAIL
     reason = f"jump at step {worst_step}" if verdict == FAIL else ""
-    return Criterion(name, threshold, f"max {worst:.2%} of peak", verdict, source, reason)
+    return Criterion(
+        name, threshold, f"max {worst:.2%} of peak", verdict, source, reason,
+        value=worst, unit="fraction of peak LR per step", limit=t["lr_max_jump"],
+    )  # fmt: skip
 
 
 def checkpoints_ok(data: RunData, t: dict[str, Any]) -> Criterion:
@@ -279,7 +342,10 @@ def checkpoints_ok(data: RunData, t: dict[str, Any]) -> Criterion:
     measured = f"{len(infos)} checkpoints, max gap {max(gaps)} steps, {len(bad)} invalid"
     failed = bad or max(gaps) > limit
     reason = "; ".join(bad[:3]) or (f"gap {max(gaps)} > {limit}" if failed else "")
-    return Criterion(name, threshold, measured, FAIL if failed else PASS, source, reason)
+    return Criterion(
+        name, threshold, measured, FAIL if failed else PASS, source, reason,
+        value=max(gaps), unit="steps between checkpoints", limit=limit,
+    )  # fmt: skip
 
 
 def _configured_interval(run_dir: RunDir) -> int | None:
@@ -307,7 +373,10 @@ def logs_present(data: RunData, t: dict[str, Any]) -> Criterion:
     measured = f"{len(logs)} host logs, newest {age:.0f} s old"
     stale = state is not None and state.active and age > max_age
     reason = ("empty: " + ", ".join(missing)) if missing else ("stale" if stale else "")
-    return Criterion(name, threshold, measured, FAIL if missing or stale else PASS, source, reason)
+    return Criterion(
+        name, threshold, measured, FAIL if missing or stale else PASS, source, reason,
+        value=age, unit="s since the newest log line", limit=max_age,
+    )  # fmt: skip
 
 
 def nonfinite_steps(data: RunData, t: dict[str, Any]) -> Criterion:
@@ -316,7 +385,10 @@ def nonfinite_steps(data: RunData, t: dict[str, Any]) -> Criterion:
     if not data.train:
         return _no_metrics(name, f"<= {limit}")
     count = sum(1 for e in data.events if e.get("event") == EventKind.NONFINITE)
-    return Criterion(name, f"<= {limit}", str(count), PASS if count <= limit else FAIL, source)
+    return Criterion(
+        name, f"<= {limit}", f"{count} steps", PASS if count <= limit else FAIL, source,
+        value=count, unit="steps", limit=limit,
+    )  # fmt: skip
 
 
 def goodput_share(data: RunData, t: dict[str, Any]) -> Criterion:
@@ -386,7 +458,8 @@ def _api(api: str | PrometheusAPI, path: str, params: dict[str, str], timeout: f
         if error.code == 401:
             raise PrometheusError(
                 f"{url} refuses the login (HTTP 401): set rlm_monitoring_username and "
-                "rlm_monitoring_password to a user of rlm_monitoring_basic_auth_users"
+                "rlm_monitoring_password to a user of rlm_monitoring_basic_auth_users (the "
+                "generated login is in rlm_monitoring_credentials_file)"
             ) from None
         try:
             body = json.loads(error.read().decode())
@@ -477,26 +550,30 @@ def prometheus_criteria(
             names[0], f">= {util_min:g}% (mean over the run)",
             f"100 * avg(avg_over_time(rlm_gpu_utilization_ratio[{window}]))",
             lambda v: v >= util_min, "{:.1f}%", "no rlm_gpu_utilization_ratio series",
+            "%", util_min,
         ),
         (
             names[1], f"<= {net_max:g}% (peak 5m rate / link speed)",
             f"100 * max(max_over_time((rate(rlm_network_transmit_bytes_total[5m]) "
             f"/ rlm_network_speed_bytes)[{window}:1m]))",
             lambda v: v <= net_max, "{:.1f}%", "no network series with a known link speed",
+            "%", net_max,
         ),
         (
             names[2], f"<= {slope_max:g} MB/h growth",
             f"sum(deriv(rlm_trainer_resident_memory_bytes[{window}])) * 3600 / 1e6",
             lambda v: v <= slope_max, "{:+.1f} MB/h", "no rlm_trainer_resident_memory_bytes series",
+            "MB/h", slope_max,
         ),
         (
             names[3], f"every target up, last scrape <= {fresh_max:g} s ago",
             "max(time() - timestamp(up)) * min(up) + (1 - min(up)) * 1e9",
             lambda v: v <= fresh_max, "{:.1f} s", "no scrape targets",
+            "s", fresh_max,
         ),
     )  # fmt: skip
     out = []
-    for name, threshold, query, ok, shown, empty in checks:
+    for name, threshold, query, ok, shown, empty, unit, limit in checks:
         if cpu and name in names[:2]:
             out.append(Criterion(name, threshold, "-", NA, source, "CPU run: no GPU or RDMA link"))
             continue
@@ -508,12 +585,32 @@ def prometheus_criteria(
         if value is None:
             out.append(Criterion(name, threshold, "-", NO_DATA, source, empty))
             continue
-        measured = "target down" if value >= 1e9 else shown.format(value)
-        out.append(Criterion(name, threshold, measured, PASS if ok(value) else FAIL, source))
+        down = value >= 1e9  # a target down: no age to report
+        measured = "target down" if down else shown.format(value)
+        verdict = PASS if ok(value) else FAIL
+        number = None if down else value
+        out.append(Criterion(name, threshold, measured, verdict, source, "", number, unit, limit))
     return out
 
 
 # -- the last health report --------------------------------------------------------------------
+def health_record(shared_dir: str) -> tuple[dict[str, Any] | None, str]:
+    """The newest health report (plain or --deep: the topology) with the communication path of
+    the newest --deep one, kept apart so that a plain health run never erases it; and where."""
+    from rlmctl.health import last_report_path, read_last_report
+
+    plain, deep = read_last_report(shared_dir), read_last_report(shared_dir, deep=True)
+    source = f"{last_report_path(shared_dir)}, {last_report_path(shared_dir, deep=True).name}"
+    reports = [r for r in (plain, deep) if r is not None]
+    if not reports:
+        return None, source
+    newest = max(reports, key=lambda r: float(r.get("time", 0)))
+    report = {key: value for key, value in newest.items() if key != "deep"}
+    if deep is not None and "deep" in deep:
+        report["deep"] = deep["deep"]
+    return report, source
+
+
 def health_criteria(report: dict[str, Any] | None, source: str) -> list[Criterion]:
     names = ("GPU topology", "communication path")
     if report is None:
@@ -535,10 +632,16 @@ def health_criteria(report: dict[str, Any] | None, source: str) -> list[Criterio
         verdict = FAIL if bad else (NA if skipped else PASS)
         measured = f"{len(topo)} hosts, {len(bad)} degraded ({age})"
         reason = "; ".join(bad[:3]) or ("no GPU on the hosts" if skipped else "")
-        out.append(Criterion(names[0], "no degraded link", measured, verdict, source, reason))
+        out.append(
+            Criterion(
+                names[0], "no degraded link", measured, verdict, source, reason,
+                value=len(bad), unit="hosts with a degraded link", limit=0,
+            )
+        )  # fmt: skip
     deep = report.get("deep")
     if deep is None:
-        out.append(Criterion(names[1], "-", "-", NO_DATA, source, "last health run was not --deep"))
+        reason = "no `rlmctl health --deep` record yet: run it"
+        out.append(Criterion(names[1], "-", "-", NO_DATA, source, reason))
         return out
     paths = deep.get("comm_path") or {}
     problems = [p for p in deep.get("problems", []) if " via " in p or "NIC" in p]
@@ -550,7 +653,13 @@ def health_criteria(report: dict[str, Any] | None, source: str) -> list[Criterio
     else:
         verdict = NA
     reason = "; ".join(problems[:3]) or ("CPU hosts: no NCCL transport" if not paths else "")
-    out.append(Criterion(names[1], "rlm_fabric", summary, verdict, source, reason))
+    count = len(problems) if paths or problems else None
+    out.append(
+        Criterion(
+            names[1], "rlm_fabric", summary, verdict, source, reason,
+            value=count, unit="host pairs off the fabric", limit=0,
+        )
+    )  # fmt: skip
     return out
 
 
@@ -682,7 +791,6 @@ def run(
 ):
     """The verdict of run `name`, with its report written into the run directory."""
     from rlmctl.errors import RlmctlError
-    from rlmctl.health import last_report_path, read_last_report
 
     if not isinstance(overrides, dict | type(None)):
         raise RlmctlError(f"rlm_accept_thresholds must be a mapping, got {overrides!r}")
@@ -692,8 +800,8 @@ def run(
         raise RlmctlError(f"{error}; fix it in the inventory") from None
     if not run_dir.path.is_dir():
         raise RlmctlError(f"run directory {run_dir.path} of {name} does not exist")
-    source = str(last_report_path(shared_dir))
-    verdict = evaluate(name, run_dir, limits, prometheus_url, read_last_report(shared_dir), source)
+    report, source = health_record(shared_dir)
+    verdict = evaluate(name, run_dir, limits, prometheus_url, report, source)
     events = RunData.load(run_dir).events
     started = events[0]["time"] if events else time.time() - 3600
     write_report(verdict, run_dir, prometheus_plots(prometheus_url, started, time.time()))

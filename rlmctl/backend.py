@@ -137,6 +137,17 @@ class Backend(Protocol):
         """Start (or submit) the attempt, detached; what started and where it failed."""
         ...
 
+    def commands(self, run: RunDir, placement: Placement, attempt: Attempt) -> dict[str, str]:
+        """What `start` would run, by host (SSH: the launcher's command line) or by file
+        (Slurm: the batch script), without running it (`--dry-run`)."""
+        ...
+
+    def stop_commands(
+        self, run: RunDir, probe: Probe, timeout: float, leave_out: set[str]
+    ) -> dict[str, str]:
+        """What `stop` would signal or run now, by host, signalling nothing (`--dry-run`)."""
+        ...
+
     def abandon(self, run: RunDir) -> bool:
         """Undo an attempt being started (interrupted, or partly failed): stop or cancel what
         it may have started; True when nothing of it can still run."""

@@ -232,6 +232,31 @@ class Backend:
             overrides=list(attempt.overrides),
         )
 
+    def commands(self, run: RunDir, placement: Placement, attempt: Attempt) -> dict[str, str]:
+        """What `start` submits (`--dry-run`, `rlmctl slurm`): the batch script, by name."""
+        return {self.script_name(run, attempt, pending=True): self.script(run, placement, attempt)}
+
+    def script_name(self, run: RunDir, attempt: Attempt, pending: bool = False) -> str:
+        """slurm-<launch|resume>-<attempt number>.sh in the run directory."""
+        number = len(self.ctx.registry.launches(run.name)) if run.path.exists() else 0
+        return f"slurm-{attempt.kind}-{number + (1 if pending else 0)}.sh"
+
+    def stop_commands(
+        self, run: RunDir, probe: Probe, timeout: float, leave_out: set[str]
+    ) -> dict[str, str]:
+        """What `stop` would run on the submit host (`--dry-run`)."""
+        job_id = job_id_of(run)
+        if job_id is None:
+            raise RlmctlError(f"run {run.name} has no Slurm job recorded ({run.path / JOB_FILE})")
+        current = self.job(job_id)
+        if current.ended:
+            return {
+                self.submit_host.name: f"# Slurm job {job_id} is {current.state}: nothing to do"
+            }
+        term = f"scancel --signal=TERM {job_id}; " if current.state == "RUNNING" else ""
+        wait = f"wait up to {timeout:g} s for the trainer to stop; " if term else ""
+        return {self.submit_host.name: f"{term}{wait}scancel {job_id}"}
+
     def admit(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Placement:
         """`sbatch --test-only`: Slurm judges partition, node count and credentials (the script
         travels on stdin; no job is created). When the partition has nodes enough but not
@@ -302,7 +327,7 @@ class Backend:
     def start(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Started:
         """Write the batch script into the run directory, sbatch it, record the job and what it
         asked for (nodes, partition, time limit: a resume asks for the same)."""
-        path = run.path / f"slurm-{attempt.kind}-{len(self.ctx.registry.launches(run.name))}.sh"
+        path = run.path / self.script_name(run, attempt)
         path.write_text(self.script(run, placement, attempt), encoding="utf-8")
         path.chmod(0o755)
         argv = ["sbatch", "--parsable", str(path)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,17 @@ def trainer_argv(
         f"run_dir={run.path}",
         *overrides,
     ]
+
+
+def launch_line(config: dict[str, Any]) -> str:
+    """What hostproc's `start` runs on a host, as a shell line: in the shared directory, with the
+    trainer's environment, torchrun's command line, output appended to the launcher log (the
+    launcher shell around it records the exit code: hostproc.WRAPPER)."""
+    env = " ".join(f"{key}={shlex.quote(value)}" for key, value in config["env"].items())
+    return (
+        f"cd {shlex.quote(config['cwd'])} && env {env} {shlex.join(config['argv'])} "
+        f">> {shlex.quote(config['log'])} 2>&1"
+    )
 
 
 def host_start_config(host: Host, run: RunDir, argv: list[str]) -> dict[str, Any]:
@@ -177,18 +189,37 @@ class Backend:
         )
 
     # start ----------------------------------------------------------------------------------------
+    def attempt_configs(
+        self, run: RunDir, placement: Placement, attempt: Attempt, number: int
+    ) -> tuple[str, dict[str, dict[str, Any]]]:
+        """The rendezvous id of attempt `number` (1 for the launch) and what hostproc's `start`
+        gets on each host."""
+        hosts = placement.hosts
+        rdzv_id = f"{run.name}-{number}-{secrets.token_hex(3)}"
+        overrides = [f"checkpoint.resume={attempt.resume_from}"] if attempt.resume_from else []
+        overrides += attempt.overrides  # e.g. watch's checkpoint.interval_steps on a restart
+        configs = {
+            host.name: host_start_config(
+                host, run, trainer_argv(host, hosts, run, rdzv_id, overrides)
+            )
+            for host in hosts
+        }
+        return rdzv_id, configs
+
+    def commands(self, run: RunDir, placement: Placement, attempt: Attempt) -> dict[str, str]:
+        """Per host, the command its launcher shell would run (`--dry-run`): the trainer's
+        environment, torchrun's command line, the log; a fresh rendezvous id per attempt."""
+        number = 1 if attempt.kind == "launch" else len(self.ctx.registry.launches(run.name)) + 1
+        _, configs = self.attempt_configs(run, placement, attempt, number)
+        return {name: launch_line(config) for name, config in configs.items()}
+
     def start(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Started:
         hosts = placement.hosts
-        attempts = len(self.ctx.registry.launches(run.name))
-        rdzv_id = f"{run.name}-{attempts}-{secrets.token_hex(3)}"
         endpoint = f"{hosts[0].address}:{hosts[0].rdzv_port}"
-        overrides = [f"checkpoint.resume={attempt.resume_from}"] if attempt.resume_from else []
-        overrides += attempt.overrides
-        configs: dict[str, dict[str, Any]] = {}
+        number = len(self.ctx.registry.launches(run.name))  # this attempt's row is recorded
+        rdzv_id, configs = self.attempt_configs(run, placement, attempt, number)
         for host in hosts:
             run.host_dir(host.name).mkdir(parents=True, exist_ok=True)
-            argv = trainer_argv(host, hosts, run, rdzv_id, overrides)
-            configs[host.name] = host_start_config(host, run, argv)
         say(f"starting torchrun on {len(hosts)} host(s), rendezvous {endpoint} id {rdzv_id}")
         results = self.ctx.fleet.run(
             lambda h: hostproc_command(h, "start", configs[h.name]), hosts=hosts
@@ -306,6 +337,34 @@ class Backend:
                 )
             )
         return outcome
+
+    def stop_commands(
+        self, run: RunDir, probe: Probe, timeout: float, leave_out: set[str]
+    ) -> dict[str, str]:
+        """Per host, the signals `stop` would send now (`--dry-run`), signalling nothing."""
+        hosts = [h for h in self._run_hosts(run) if h.name not in leave_out]
+        pgids = {h["host"]: h["pgid"] for h in self.ctx.registry.hosts(run.name)}
+        results = self.ctx.fleet.run(
+            lambda h: hostproc_command(
+                h, "targets", {"run_dir": str(run.path), "host": h.name, "pgid": pgids.get(h.name)}
+            ),
+            hosts=hosts,
+        )
+        out = {}
+        for result in results:
+            parsed = parse_json_result(result)
+            if parsed is None:
+                out[result.host] = f"# no answer: {result.reason}"
+            elif not parsed["processes"]:
+                out[result.host] = "# no process of the run: nothing to signal"
+            else:
+                term = " ".join(str(pid) for pid, _ in parsed["term"])
+                names = "; ".join(f"{pid}: {command[:60]}" for pid, command in parsed["term"])
+                out[result.host] = (
+                    f"kill -TERM {term}  # {names}; then kill -KILL whatever of the run's "
+                    f"{len(parsed['processes'])} process(es) is left after {timeout:g} s"
+                )
+        return out
 
     def failed_hosts(self, run: RunDir, probe: Probe) -> list[str]:
         """Hosts that stopped answering; a host that fails the gate is left out by the resume."""

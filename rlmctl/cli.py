@@ -1,16 +1,21 @@
 """`rlmctl`: operate depth-recurrent LM training runs on a cluster described by an Ansible inventory.
 
-Global options (-i, --limit, --exclude, --forks, --timeout) may stand before or after the command.
-Exit codes: 0 ok, 1 some hosts failed or a check is critical, 2 usage or input error, 130
-interrupted. Heavy modules (ansible, fabric, torch) are imported inside the commands that need
-them. Commands get typed records from the modules below and hand them to rlmctl.render.
+Global options (-i, --limit, --exclude, --forks, --timeout) may stand before or after the command,
+and every command's help lists them. Exit codes: 0 ok, 1 some hosts failed or a check is critical,
+2 usage or input error, 130 interrupted. Every command takes `--json` (typed values on stdout;
+progress stays on stderr). Heavy modules (ansible, fabric, torch) are imported inside the commands
+that need them. Commands get typed records from the modules below and hand them to rlmctl.render.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import re
 import sys
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -24,9 +29,9 @@ app = typer.Typer(
     name="rlmctl",
     help="Operate depth-recurrent LM training runs on a cluster described by an Ansible inventory.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
+GLOBAL_PANEL = "Global options (before or after the command)"
 
 
 def _site(ctx: typer.Context) -> Site:
@@ -34,7 +39,30 @@ def _site(ctx: typer.Context) -> Site:
     return site
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("rlm-ops")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"rlmctl {version()}")
+        raise typer.Exit(0)
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Print exactly what would be run (per host, or the batch script) and change nothing.",
+    ),
+]
 
 
 @app.callback()
@@ -59,6 +87,15 @@ def main_options(
     timeout: Annotated[
         float, typer.Option(help="Seconds a remote command may take per host.", min=1)
     ] = 60.0,
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print rlmctl's version and exit.",
+            is_eager=True,
+            callback=_print_version,
+        ),
+    ] = False,
 ) -> None:
     ctx.obj = Site(inventory, limit, exclude, forks, timeout)
 
@@ -66,17 +103,22 @@ def main_options(
 # inventory / health -------------------------------------------------------------------------------
 @app.command("inventory")
 def inventory_cmd(ctx: typer.Context, json_output: JsonOpt = False) -> None:
-    """Show the selected hosts with their connection and bundle variables."""
+    """Show the selected hosts: where SSH goes for each (as Ansible's ssh would go), groups,
+    GPUs."""
     with Context(_site(ctx), readonly=True) as session:
         hosts = session.hosts
         source = str(session.inventory.source)
+        # Where SSH goes for each host, as `ssh` resolves it for Ansible (None: local).
+        routes = {h.name: None if h.is_local else session.fleet.endpoint(h) for h in hosts}
         if json_output:
             groups = session.inventory.groups
-            render.emit_json(
-                {"source": source, "groups": groups, "hosts": [h.as_dict() for h in hosts]}
-            )
+            rows = [
+                h.as_dict() | {"ssh": routes[h.name].as_dict() if routes[h.name] else None}
+                for h in hosts
+            ]
+            render.emit_json({"source": source, "groups": groups, "hosts": rows})
         else:
-            render.inventory(source, hosts)
+            render.inventory(source, hosts, routes)
 
 
 @app.command()
@@ -87,20 +129,26 @@ def health(
     ] = False,
     json_output: JsonOpt = False,
 ) -> None:
-    """The pre-launch gate: one round trip per host; exit 1 when a check is CRIT."""
+    """The pre-launch gate: one round trip per host; exit 1 when a check is CRIT. Keeps its
+    report for `rlmctl accept` (a --deep run's apart, never replaced by a plain one)."""
     from rlmctl import health as health_checks
     from rlmctl import lifecycle
 
     with Context(_site(ctx), readonly=True) as session:
         hosts = session.hosts
-        report = health_checks.run_checks(session.fleet)
+        with render.progress(f"health checks on {len(hosts)} host(s)", len(hosts)) as advance:
+            session.fleet.on_result = lambda _: advance(1)
+            report = health_checks.run_checks(session.fleet)
         lifecycle.backend_for(session).node_checks(report)  # e.g. Slurm's drain/down per node
         deep_result = None
         if deep:
             from rlmctl import deep as deep_checks
 
             healthy = [h for h in hosts if h.name in report.healthy]
-            deep_result = deep_checks.run(session.fleet, healthy)
+            waiting = f"all-reduce across {len(healthy)} host(s)"
+            with render.progress(waiting, len(healthy)) as advance:
+                session.fleet.on_result = lambda _: advance(1)
+                deep_result = deep_checks.run(session.fleet, healthy)
     result = report.as_dict() | ({"deep": deep_result.as_dict()} if deep_result else {})
     health_checks.save_last_report(result, hosts[0].shared_dir)  # for `rlmctl accept`
     if json_output:
@@ -115,8 +163,9 @@ def health(
 
 @app.command()
 def accept(ctx: typer.Context, run: str, json_output: JsonOpt = False) -> None:
-    """The go-live verdict of a run: every criterion with threshold, measured value, PASS/FAIL/
-    NO DATA/N/A and source; writes <run_dir>/acceptance.md with plots. Exit 1 when one FAILs."""
+    """The go-live verdict of a run: every criterion with threshold, measured value,
+    PASS/FAIL/NO DATA/N/A and source; writes <run_dir>/acceptance.md with plots. Exit 1 when
+    one FAILs."""
     from rlmctl import accept as acceptance
 
     with Context(_site(ctx), readonly=True) as session:
@@ -156,21 +205,21 @@ def launch(
             "rlm_gpu_memory_gib; --no-memory-check launches it anyway."
         ),
     ] = True,
+    dry_run: DryRunOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Check the config and its memory estimate, gate, create the run directory, and start
     torchrun on every host (detached), or submit the batch job to Slurm (rlm_scheduler: slurm)."""
     from rlmctl import lifecycle
-    from rlmctl.backend import LaunchRequest
 
-    for text in overrides or []:
-        if "=" not in text:
-            raise RlmctlError(f"override {text!r} must look like key=value, e.g. train.steps=500")
-    request = LaunchRequest(
-        config, overrides or [], name, nodes, force, partition, time_limit, memory_check
+    request = launch_request(
+        config, overrides, name, nodes, force, partition, time_limit, memory_check
     )
-    with Context(_site(ctx)) as session:
+    with Context(_site(ctx), readonly=dry_run) as session:
         backend = lifecycle.backend_for(session)
+        if dry_run:
+            planned = lifecycle.plan_launch(session, backend, request)
+            return render.dry_run(planned, json_output)
         launched = lifecycle.launch(session, backend, request, render.say())
     if json_output:
         render.emit_json(launched)
@@ -185,6 +234,26 @@ def launch(
             f"`rlmctl status {launched.run}`, `rlmctl logs {launched.run} -f` or "
             f"`rlmctl watch {launched.run}`"
         )
+
+
+def launch_request(
+    config: Path,
+    overrides: list[str] | None,
+    name: str | None,
+    nodes: int | None,
+    force: bool = False,
+    partition: str | None = None,
+    time_limit: str = "24:00:00",
+    memory_check: bool = True,
+) -> Any:
+    from rlmctl.backend import LaunchRequest
+
+    for text in overrides or []:
+        if "=" not in text:
+            raise RlmctlError(f"override {text!r} must look like key=value, e.g. train.steps=500")
+    return LaunchRequest(
+        config, overrides or [], name, nodes, force, partition, time_limit, memory_check
+    )
 
 
 @app.command()
@@ -211,6 +280,9 @@ def logs(
         bool, typer.Option("--follow", "-f", help="Keep printing new lines.")
     ] = False,
     lines: Annotated[int, typer.Option("--lines", "-n", help="Lines of history per host.")] = 40,
+    json_output: Annotated[
+        bool, typer.Option("--json", help='One JSON object per line: {"host": ..., "line": ...}.')
+    ] = False,
 ) -> None:
     """Print the launcher logs (torchrun + trainer output) from the run directory."""
     from rlmctl import lifecycle
@@ -218,7 +290,7 @@ def logs(
 
     with Context(_site(ctx), readonly=True) as session:
         paths = lifecycle.log_paths(session, lifecycle.backend_for(session), run, host)
-    run_logs.show(paths, lines, follow, sys.stdout)
+    run_logs.show(paths, lines, follow, sys.stdout, as_json=json_output)
 
 
 @app.command()
@@ -228,14 +300,21 @@ def stop(
     timeout: Annotated[
         float, typer.Option(help="Seconds between SIGTERM (checkpoint and exit) and SIGKILL.")
     ] = 60.0,
+    dry_run: DryRunOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Stop a run on every host; verifies that none of its processes remain. A run that has
     already ended is left as it is."""
     from rlmctl import lifecycle
 
-    with Context(_site(ctx)) as session:
-        outcome = lifecycle.stop(session, lifecycle.backend_for(session), run, timeout)
+    with Context(_site(ctx), readonly=dry_run) as session:
+        backend = lifecycle.backend_for(session)
+        if dry_run:
+            return render.dry_run(lifecycle.plan_stop(session, backend, run, timeout), json_output)
+        waiting = f"stopping {run} (SIGTERM, SIGKILL after {timeout:g} s)"
+        with render.progress(waiting, None) as advance:
+            session.fleet.on_result = lambda _: advance(1)
+            outcome = lifecycle.stop(session, backend, run, timeout)
     if json_output:
         render.emit_json(outcome)
     elif outcome.slurm:
@@ -251,18 +330,25 @@ def resume(
     ctx: typer.Context,
     run: str,
     force: Annotated[bool, typer.Option(help="Keep hosts that fail the gate.")] = False,
+    dry_run: DryRunOpt = False,
+    json_output: JsonOpt = False,
 ) -> None:
     """Relaunch a stopped or failed run from its newest verified checkpoint."""
     from rlmctl import lifecycle
 
     site = _site(ctx)
-    with Context(site) as session:
+    with Context(site, readonly=dry_run) as session:
         excluded = set()
         if site.exclude:
             excluded = {h.name for h in session.inventory.select(site.exclude)}
         backend = lifecycle.backend_for(session)
+        if dry_run:
+            planned = lifecycle.plan_resume(session, backend, run, excluded, render.say())
+            return render.dry_run(planned, json_output)
         resumed = lifecycle.resume(session, backend, run, excluded, force, render.say())
-    if resumed.job_id:
+    if json_output:
+        render.emit_json(resumed)
+    elif resumed.job_id:
         render.line(f"resubmitted {run} as Slurm job {resumed.job_id}; `rlmctl status {run}`")
     else:
         render.line(f"resumed {run} on {len(resumed.hosts)} host(s): {', '.join(resumed.hosts)}")
@@ -303,6 +389,14 @@ def watch(
     straggler_windows: Annotated[
         int, typer.Option(help="...in each of this many metrics windows.", min=1)
     ] = STRAGGLER_WINDOWS,
+    json_output: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help='One JSON object per line per decision ({"time": ..., "message": ...}), '
+            'then {"run": ..., "exit_code": ..., "state": ...}.',
+        ),
+    ] = False,
 ) -> None:
     """Supervise a run: fail fast on a dead process, lost host or hang; restart when it can help."""
     from rlmctl import lifecycle
@@ -323,9 +417,18 @@ def watch(
         straggler_margin=straggler_margin,
         straggler_windows=straggler_windows,
     )
+    say = render.say()
+    if json_output:
+
+        def say(message: str) -> None:
+            render.emit_json_line({"time": time.time(), "message": message})
+
     with Context(_site(ctx)) as session:
         backend = lifecycle.backend_for(session)
-        code = lifecycle.watch(session, backend, run, policy, render.say())
+        code = lifecycle.watch(session, backend, run, policy, say)
+        state = session.run(run).state()
+    if json_output:
+        render.emit_json_line({"run": run, "exit_code": code, "state": render.state_name(state)})
     raise typer.Exit(code)
 
 
@@ -335,25 +438,29 @@ def runs(ctx: typer.Context, json_output: JsonOpt = False) -> None:
     """Runs in the registry, oldest first, with their state from their run directories."""
     from rlmctl import lifecycle
 
-    try:
-        with Context(_site(ctx), readonly=True) as session:
+    with Context(_site(ctx), readonly=True) as session:
+        root = str(session.runs_root)
+        try:
             rows = lifecycle.summaries(session)
-    except RunNotFound:  # no registry yet
-        rows = []
+        except RunNotFound:  # no registry yet
+            rows = []
     if json_output:
         render.emit_json(rows)
     else:
-        render.runs(rows)
+        render.runs(rows, root)
 
 
 @app.command()
-def reindex(ctx: typer.Context) -> None:
+def reindex(ctx: typer.Context, json_output: JsonOpt = False) -> None:
     """Rebuild the registry (an index) from the run directories under rlm_shared_dir/runs."""
     from rlmctl.registry import reindex as rebuild
 
     with Context(_site(ctx)) as session:
         added = rebuild(session.registry, session.runs_root)
-    render.line(f"indexed {len(added)} run(s): {', '.join(added) or '-'}")
+    if json_output:
+        render.emit_json({"indexed": added})
+    else:
+        render.line(f"indexed {len(added)} run(s): {', '.join(added) or '-'}")
 
 
 @app.command()
@@ -366,15 +473,21 @@ def checkpoints(
     json_output: JsonOpt = False,
 ) -> None:
     """A run's checkpoints with their verification; exit 1 when one is invalid."""
-    from rlmctl.lifecycle import checkpoint_row
+    from rlmctl.lifecycle import checkpoint_row, verify_checkpoints
 
     with Context(_site(ctx), readonly=True) as session:
         run_dir = session.run(run)
-    rows = [checkpoint_row(info) for info in run_dir.checkpoints(full=verify)]
+    infos = run_dir.checkpoints()
+    if verify:
+        total = sum(i.size_bytes for i in infos) / 2**20
+        waiting = f"sha256 of {len(infos)} checkpoint(s)"
+        with render.progress(waiting, total, "MiB") as advance:
+            infos = verify_checkpoints(infos, lambda done: advance(done.size_bytes / 2**20))
+    rows = [checkpoint_row(info) for info in infos]
     if json_output:
         render.emit_json(rows)
     else:
-        render.checkpoints(run, rows, verify)
+        render.checkpoints(run, str(run_dir.path), rows, verify)
     raise typer.Exit(0 if all(r.valid for r in rows) else 1)
 
 
@@ -470,42 +583,58 @@ def plan(
 def slurm(
     ctx: typer.Context,
     config: Annotated[Path, typer.Option("--config", "-c", help="Trainer config YAML.")],
-    nodes: Annotated[int, typer.Option(help="Nodes to allocate.")] = 2,
-    gpus_per_node: Annotated[int | None, typer.Option(help="Default: rlm_gpus_per_node.")] = None,
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Config overrides, key=value (e.g. train.steps=500).")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Run name (default: config stem + time).")
+    ] = None,
+    nodes: Annotated[
+        int | None, typer.Option(help="Nodes to allocate (default: the selected hosts).")
+    ] = None,
     partition: Annotated[str | None, typer.Option(help="Slurm partition.")] = None,
     time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit.")] = "24:00:00",
-    name: Annotated[str | None, typer.Option(help="Run name (default: config stem).")] = None,
+    json_output: Annotated[
+        bool,
+        typer.Option("--json", help='{"run", "run_dir", "file", "script"} on stdout.'),
+    ] = False,
 ) -> None:
-    """Print an sbatch script (srun + torchrun) for sites that schedule with Slurm."""
-    from rlmctl import slurm as slurm_script
+    """Print the sbatch script `rlmctl launch` submits for these options under rlm_scheduler:
+    slurm (the same renderer; launch also creates the run directory and its config.yaml first,
+    which the script reads)."""
+    from rlmctl import backend_slurm, lifecycle
 
+    request = launch_request(config, overrides, name, nodes, False, partition, time_limit)
     with Context(_site(ctx), readonly=True) as session:
-        host = session.hosts[0]
-    print(
-        slurm_script.render(
-            config=config,
-            name=name or config.stem,
-            nodes=nodes,
-            gpus_per_node=gpus_per_node or host.gpus_per_node,
-            partition=partition,
-            time_limit=time_limit,
-            host=host,
-        ),
-        end="",
-    )
+        planned = lifecycle.plan_launch(session, backend_slurm.Backend(session), request)
+    (file, script), *_ = planned.commands.items()
+    if json_output:
+        render.emit_json(
+            {"run": planned.run, "run_dir": planned.run_dir, "file": file, "script": script}
+        )
+    else:
+        print(script, end="")
 
 
 @app.command()
 def demo(
     ctx: typer.Context,
     steps: Annotated[int, typer.Option(help="Training steps.")] = 300,
+    json_output: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="The demo's outcome as JSON on stdout (its progress on stderr)."
+        ),
+    ] = False,
 ) -> None:
     """The whole flow on this machine: prepare data, gate, launch 2 CPU workers, stop, report."""
     from rlmctl import demo as demo_flow
 
     with Context(_site(ctx)) as session:
-        code = demo_flow.run(session, steps)
-    raise typer.Exit(code)
+        outcome = demo_flow.run(session, steps, quiet=json_output)
+    if json_output:
+        render.emit_json(outcome)
+    raise typer.Exit(outcome["exit_code"])
 
 
 # entry point --------------------------------------------------------------------------------------
@@ -520,15 +649,56 @@ GLOBAL_OPTIONS = {
 }
 
 
+@functools.cache
+def cli() -> Any:
+    """The Click group of `app`, as `rlmctl` runs it: help text as paragraphs (the docstrings'
+    line breaks are not the terminal's), and the global options listed in every command's help
+    (copies that take no value: main() moves them in front of the command before parsing)."""
+    group = typer.main.get_command(app)
+    site_options = {"inventory", "limit", "exclude", "forks", "timeout"}
+    global_options = [p for p in group.params if p.name in site_options]
+    for command in [group, *group.commands.values()]:  # type: ignore[attr-defined]
+        command.help = paragraphs(command.help)
+        for param in command.params:
+            if getattr(param, "help", None):
+                param.help = paragraphs(param.help)
+    for command in group.commands.values():  # type: ignore[attr-defined]
+        own = {opt for p in command.params for opt in getattr(p, "opts", ())}
+        for option in global_options:
+            if own & set(option.opts):
+                continue  # the command's own option of that name (stop --timeout)
+            shown = copy.copy(option)
+            shown.expose_value = False
+            shown.rich_help_panel = GLOBAL_PANEL  # type: ignore[attr-defined]
+            shown.global_copy = True  # type: ignore[attr-defined]
+            command.params.append(shown)
+    return group
+
+
+def paragraphs(text: str | None) -> str | None:
+    """Docstring text with its single line breaks joined: paragraphs stay, hard breaks go."""
+    if not text:
+        return text
+    import inspect
+
+    blocks = re.split(r"\n\s*\n", inspect.cleandoc(text))
+    return "\n\n".join(" ".join(block.split()) for block in blocks)
+
+
 def hoist_global_options(argv: list[str]) -> list[str]:
     """Move global options written after the command in front of it (`rlmctl health --limit x`),
     unless the command has an option of that name itself (`stop --timeout`)."""
-    group = typer.main.get_command(app)
-    command_index = next((i for i, word in enumerate(argv) if word in group.commands), None)  # type: ignore[attr-defined]
+    group = cli()
+    command_index = next((i for i, word in enumerate(argv) if word in group.commands), None)
     if command_index is None:
         return argv
-    command = group.commands[argv[command_index]]  # type: ignore[attr-defined]
-    own = {opt for p in command.params if p.param_type_name == "option" for opt in p.opts}
+    command = group.commands[argv[command_index]]
+    own = {
+        opt
+        for p in command.params
+        if p.param_type_name == "option" and not getattr(p, "global_copy", False)
+        for opt in p.opts
+    }
     head, tail, moved = argv[:command_index], argv[command_index + 1 :], []
     rest: list[str] = []
     index = 0
@@ -552,7 +722,7 @@ def main(argv: list[str] | None = None) -> None:
     args = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
     try:
         # Standalone mode: Click prints usage errors itself and exits 2; our errors come here.
-        app(args=args, prog_name="rlmctl")
+        cli()(args=args, prog_name="rlmctl")
     except (RlmctlError, InventoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)

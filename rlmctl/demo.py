@@ -46,12 +46,14 @@ def prepare_data(shared_dir: Path, say: Any) -> Path:
     return data
 
 
-def run(session: Context, steps: int) -> int:
-    """The demo; returns the exit code."""
+def run(session: Context, steps: int, quiet: bool = False) -> dict[str, Any]:
+    """The demo; returns its outcome (`exit_code`, the run, its state, the last validation
+    perplexity per depth, the acceptance verdict). `quiet`: everything shown goes to stderr
+    (`rlmctl demo --json` prints the outcome on stdout)."""
     from rich.console import Console
     from rich.progress import Progress
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, stderr=quiet)
 
     def say(message: str) -> None:
         console.print(message, markup=False, soft_wrap=True)
@@ -72,15 +74,24 @@ def run(session: Context, steps: int) -> int:
     run_dir = RunDir(launched.run_dir)
     say(f"metrics: http://localhost:{port}/metrics (while it runs)")
     say(f"logs:    {run_dir.launcher_log_path(hosts[0].name)}  (rlmctl logs {name} -f)")
+    outcome: dict[str, Any] = {"run": name, "run_dir": str(run_dir.path)}
     try:
         state = _follow(backend, run_dir, steps, Progress, console)
     except KeyboardInterrupt:
         say("interrupted: stopping the run (the trainer saves a checkpoint first)")
         lifecycle.stop(session, backend, name, timeout=30)
-        return 130
+        return outcome | {"exit_code": 130, "state": "interrupted"}
     _report(run_dir, name, state, console)
-    _accept(run_dir, name, hosts[0])
-    return 0 if state is RunState.DONE else 1
+    verdict = _accept(run_dir, name, hosts[0], show=not quiet)
+    validation = [r for r in run_dir.read_metrics() if r.get("kind") == "val"]
+    return outcome | {
+        "exit_code": 0 if state is RunState.DONE else 1,
+        "state": state.value,
+        "step": run_dir.status().step,
+        "perplexity_by_depth": validation[-1]["perplexity"] if validation else {},
+        "checkpoints": [info.path.name for info in run_dir.checkpoints() if info.valid],
+        "acceptance": verdict.as_dict(),
+    }
 
 
 def _health(session: Context, say: Any) -> None:
@@ -96,14 +107,16 @@ def _health(session: Context, say: Any) -> None:
     say(result.summary())
 
 
-def _accept(run_dir: RunDir, name: str, host: Any) -> None:
+def _accept(run_dir: RunDir, name: str, host: Any, show: bool) -> Any:
     """The go-live report of the demo run (rlmctl accept), with the inventory's CPU thresholds."""
     from rlmctl import accept, render
 
     verdict = accept.run(
         name, run_dir, accept.prometheus_api(host), host.accept_thresholds, host.shared_dir
     )
-    render.acceptance(verdict)
+    if show:
+        render.acceptance(verdict)
+    return verdict
 
 
 def _follow(

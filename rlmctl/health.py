@@ -269,29 +269,35 @@ def run_checks(fleet: Fleet, hosts: list[Host] | None = None, with_port: bool = 
     return report
 
 
-# The newest `rlmctl health` report (with --deep: the communication path), for `rlmctl accept`.
+# The newest `rlmctl health` report, and apart from it the newest `health --deep` one (its
+# communication path): `rlmctl accept` reads both, and a plain health run never replaces the deep
+# record.
 LAST_REPORT = "health-last.json"
+LAST_DEEP_REPORT = "health-deep-last.json"
 
 
-def last_report_path(shared_dir: str) -> Path:
-    return Path(shared_dir) / MARKER_DIR / LAST_REPORT
+def last_report_path(shared_dir: str, deep: bool = False) -> Path:
+    return Path(shared_dir) / MARKER_DIR / (LAST_DEEP_REPORT if deep else LAST_REPORT)
 
 
 def save_last_report(report: dict[str, Any], shared_dir: str) -> None:
-    """Best effort: a health run must not fail because its record could not be kept."""
-    path = last_report_path(shared_dir)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"time": time.time(), **report}), encoding="utf-8")
-        tmp.replace(path)
-    except OSError:
-        pass
+    """Keep the report for `rlmctl accept` (a report with a `deep` part also as the deep
+    record). Best effort: a health run must not fail because its record could not be kept."""
+    record = json.dumps({"time": time.time(), **report})
+    for deep in (False, True) if "deep" in report else (False,):
+        path = last_report_path(shared_dir, deep)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(record, encoding="utf-8")
+            tmp.replace(path)
+        except OSError:
+            pass
 
 
-def read_last_report(shared_dir: str) -> dict[str, Any] | None:
+def read_last_report(shared_dir: str, deep: bool = False) -> dict[str, Any] | None:
     try:
-        report = json.loads(last_report_path(shared_dir).read_text(encoding="utf-8"))
+        report = json.loads(last_report_path(shared_dir, deep).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return report if isinstance(report, dict) else None

@@ -246,9 +246,17 @@ def stop(cfg):
     return {"found": len(before), "killed": killed, "remaining": remaining}
 
 
+def targets(cfg):
+    """What `stop` would signal now, signalling nothing (`rlmctl stop --dry-run`): the SIGTERM
+    targets and every process of the run (SIGKILL for whatever of them outlives the timeout)."""
+    processes = run_processes(cfg)
+    names = dict(processes)
+    return {"term": [[pid, names[pid]] for pid in stop_targets(processes)], "processes": processes}
+
+
 def main(argv):
     cfg = json.loads(base64.b64decode(argv[2]))
-    action = {"start": start, "status": status, "stop": stop}[argv[1]]
+    action = {"start": start, "status": status, "stop": stop, "targets": targets}[argv[1]]
     print(json.dumps(action(cfg)))
 
 

@@ -10,4 +10,3 @@ from clusterspec.inventory import Host as Host
 from clusterspec.inventory import Inventory as Inventory
 from clusterspec.inventory import InventoryError as InventoryError
 from clusterspec.inventory import load as load
-from clusterspec.inventory import ssh_options as ssh_options

@@ -30,7 +30,15 @@ from rlmctl import goodput, plan
 from rlmctl.backend import Attempt, Backend, LaunchRequest, Placement, Probe, Say, Started, quiet
 from rlmctl.context import Context
 from rlmctl.errors import GateRefused, RlmctlError
-from rlmctl.records import CheckpointRow, HostStop, Launched, RunStatus, RunSummary, StopResult
+from rlmctl.records import (
+    CheckpointRow,
+    DryRun,
+    HostStop,
+    Launched,
+    RunStatus,
+    RunSummary,
+    StopResult,
+)
 from rlmctl.registry import registry_path
 from runcontract.config import Config, check_world_size, dump_yaml, load_config, validate
 from runcontract.errors import UserError
@@ -203,6 +211,26 @@ def _launch(
     )
 
 
+def plan_launch(ctx: Context, backend: Backend, request: LaunchRequest) -> DryRun:
+    """`launch --dry-run` (and `rlmctl slurm`): the name and config steps of a launch, then what
+    it would start on the selected hosts, or the batch script it would submit; nothing is
+    written, no host is contacted. The health gate (SSH) or `sbatch --test-only` (Slurm) is not
+    asked: a host it refuses is not started (`--force`: started last)."""
+    name = run_name(request.config, request.name)
+    run = RunDir(ctx.runs_root / name)
+    refuse_existing(ctx, run)
+    placement = backend.placement(request)
+    cfg = resolve_config(request.config, request.overrides, run.path, placement.world_size)
+    if request.memory_check:
+        check_memory(cfg, placement, request.config)
+    notes = [
+        f"the run directory {run.path} would be created with the config as {run.config_path}",
+        "not asked: the health gate (SSH) or sbatch --test-only (Slurm)",
+    ]
+    commands = backend.commands(run, placement, Attempt("launch"))
+    return DryRun(name, str(run.path), "launch", commands, notes)
+
+
 def start_attempt(
     ctx: Context,
     backend: Backend,
@@ -340,6 +368,19 @@ def checkpoint_row(info: CheckpointInfo) -> CheckpointRow:
     )
 
 
+def verify_checkpoints(
+    infos: list[CheckpointInfo], done: Callable[[CheckpointInfo], None] | None = None
+) -> list[CheckpointInfo]:
+    """Each checkpoint verified in full (sizes and sha256, `verify_checkpoint(full=True)`);
+    `done(info)` after each (a progress display)."""
+    verified = []
+    for info in infos:
+        verified.append(verify_checkpoint(info.path, full=True) if info.valid else info)
+        if done is not None:
+            done(info)
+    return verified
+
+
 def log_paths(ctx: Context, backend: Backend, name: str, host: str | None) -> dict[str, Path]:
     return backend.log_paths(ctx.run(name), host)
 
@@ -371,6 +412,22 @@ def stop(
         run.append_event(EventKind.STOP_FAILED, hosts=[o.host for o in outcome if not o.ok])
     job = backend.probe(run).job if probe.job is not None else None
     return StopResult(name, run.state(), outcome, slurm=job)
+
+
+def plan_stop(ctx: Context, backend: Backend, name: str, timeout: float) -> DryRun:
+    """`stop --dry-run`: what stop would signal now; nothing is recorded or signalled."""
+    run = ctx.run(name)
+    state = run.state()
+    probe = backend.probe(run)
+    if state is not None and not state.active and not probe.alive:
+        note = f"run {name} is already {state.value}; nothing to stop"
+        return DryRun(name, str(run.path), "stop", {}, [note])
+    commands = backend.stop_commands(run, probe, timeout, set())
+    return DryRun(name, str(run.path), "stop", commands, [f"state of record: {state_name(state)}"])
+
+
+def state_name(state: RunState | None) -> str:
+    return state.value if state is not None else "unknown"
 
 
 # resume -------------------------------------------------------------------------------------------
@@ -425,6 +482,34 @@ def resume(
     """Relaunch a stopped or failed run in its own run directory from its newest verified
     checkpoint, on what it ran on before less `exclude` (the same global batch: the trainer's
     world-size check says whether it still divides)."""
+    run, attempt, wanted = resume_request(ctx, backend, name, exclude, force, say)
+    placement = backend.admit(run, wanted, attempt, say)
+    resolve_config(run.config_path, [], run.path, placement.world_size)
+    started = start_attempt(ctx, backend, run, placement, attempt, say, Progress())
+    return Launched(
+        name, str(run.path), started.hosts, started.rdzv_endpoint, "resume", started.job_id
+    )
+
+
+def plan_resume(
+    ctx: Context, backend: Backend, name: str, exclude: set[str], say: Say = quiet
+) -> DryRun:
+    """`resume --dry-run`: the checks and the checkpoint of a resume, then what it would start;
+    nothing is written or started, the gate is not asked."""
+    run, attempt, wanted = resume_request(ctx, backend, name, exclude, False, say)
+    resolve_config(run.config_path, [], run.path, wanted.world_size)
+    notes = [
+        f"from checkpoint.resume={attempt.resume_from}",
+        "not asked: the health gate (SSH: a host that fails it is left out) or Slurm",
+    ]
+    return DryRun(name, str(run.path), "resume", backend.commands(run, wanted, attempt), notes)
+
+
+def resume_request(
+    ctx: Context, backend: Backend, name: str, exclude: set[str], force: bool, say: Say
+) -> tuple[RunDir, Attempt, Placement]:
+    """What every resume checks first (not done, not alive, a verified checkpoint or none at
+    all) and where it asks to run."""
     run = ctx.run(name)
     refuse_done(run)
     probe = backend.probe(run)
@@ -435,12 +520,7 @@ def resume(
         )
     attempt = Attempt("resume", resume_from(run, say), tuple(goodput.current_overrides(run)))
     wanted = dataclasses.replace(backend.placement_of(run, exclude), force=force)
-    placement = backend.admit(run, wanted, attempt, say)
-    resolve_config(run.config_path, [], run.path, placement.world_size)
-    started = start_attempt(ctx, backend, run, placement, attempt, say, Progress())
-    return Launched(
-        name, str(run.path), started.hosts, started.rdzv_endpoint, "resume", started.job_id
-    )
+    return run, attempt, wanted
 
 
 # watch --------------------------------------------------------------------------------------------

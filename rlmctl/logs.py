@@ -3,6 +3,7 @@ the backend's `log_paths`)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from pathlib import Path
@@ -11,10 +12,14 @@ from typing import TextIO
 FOLLOW_POLL_S = 0.5
 
 
-def show(paths: dict[str, Path], lines: int, follow: bool, out: TextIO) -> None:
+def show(
+    paths: dict[str, Path], lines: int, follow: bool, out: TextIO, as_json: bool = False
+) -> None:
     """The last `lines` of each log, prefixed with the host when there are several; with
-    `follow`, new lines as they arrive until interrupted."""
+    `follow`, new lines as they arrive until interrupted. `as_json`: one JSON object per line,
+    {"host": ..., "line": ...}."""
     prefix = len(paths) > 1
+    write = _write_json if as_json else _write
     offsets: dict[str, int] = {}
     for host, path in paths.items():
         try:
@@ -24,7 +29,7 @@ def show(paths: dict[str, Path], lines: int, follow: bool, out: TextIO) -> None:
         except FileNotFoundError:
             tail, offsets[host] = deque(), 0
         for line in tail:
-            _write(out, host if prefix else None, line)
+            write(out, host if prefix or as_json else None, line)
     out.flush()
     while follow:
         for host, path in paths.items():
@@ -35,11 +40,16 @@ def show(paths: dict[str, Path], lines: int, follow: bool, out: TextIO) -> None:
                         if not line.endswith(b"\n"):
                             break  # the writer is mid-line: read it whole next time
                         offsets[host] += len(line)
-                        _write(out, host if prefix else None, line)
+                        write(out, host if prefix or as_json else None, line)
             except FileNotFoundError:
                 continue
         out.flush()
         time.sleep(FOLLOW_POLL_S)  # tail -f cadence
+
+
+def _write_json(out: TextIO, host: str | None, line: bytes) -> None:
+    text = line.decode(errors="replace").rstrip("\n")
+    out.write(json.dumps({"host": host, "line": text}) + "\n")
 
 
 def _write(out: TextIO, host: str | None, line: bytes) -> None:

@@ -115,6 +115,18 @@ class Launched:
 
 
 @dataclass(frozen=True)
+class DryRun:
+    """What `launch`, `resume` or `stop` would run (`--dry-run`): by host, or by batch script
+    file name under Slurm; nothing was written, started or signalled."""
+
+    run: str
+    run_dir: str
+    action: str  # "launch", "resume" or "stop"
+    commands: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class LayoutChoice:
     """GiB per GPU of each parallel layout and the cheapest that fits (None: none does)."""
 

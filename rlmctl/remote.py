@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import os
+import functools
 import shlex
 import socket
 import subprocess
@@ -23,11 +23,31 @@ from pathlib import Path
 from typing import Any
 
 from clusterspec.inventory import Host
+from rlmctl.errors import RlmctlError
+from rlmctl.sshconfig import Endpoint, Resolver
 
 DEFAULT_FORKS = 128
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CONNECT_TIMEOUT_S = 10
 TAIL_CHARS = 2000
+
+
+class JumpError(Exception):
+    """The jump host (ProxyJump) in front of a host could not be reached."""
+
+    def __init__(self, jump: Endpoint, error: Exception) -> None:
+        super().__init__(str(error))
+        self.jump = jump
+        self.error = error
+
+
+class JumpRefused(Exception):
+    """The jump host was reached but could not open the connection onwards to the host."""
+
+    def __init__(self, endpoint: Endpoint, error: Exception) -> None:
+        super().__init__(str(error))
+        self.endpoint = endpoint
+        self.error = error
 
 
 @dataclass
@@ -97,6 +117,12 @@ class Fleet:
         self._connections: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._fabric_config: Any = None
+        self._resolver = Resolver()
+        # Called with every result of every command (a progress display), besides run()'s own.
+        self.on_result: Callable[[Result], None] | None = None
+        self._endpoints: dict[str, Endpoint] = {}
+        self._gateways: dict[Endpoint, Any] = {}
+        self._gateway_locks: dict[Endpoint, threading.Lock] = {}
 
     def __enter__(self) -> Fleet:
         return self
@@ -107,7 +133,9 @@ class Fleet:
     def close(self) -> None:
         with self._lock:
             connections, self._connections = self._connections, {}
-        for connection in connections.values():
+            gateways, self._gateways = self._gateways, {}
+        # Hosts first: their connections are channels of the jump hosts' connections.
+        for connection in [*connections.values(), *gateways.values()]:
             with contextlib.suppress(Exception):  # a dead transport has nothing left to close
                 connection.close()
 
@@ -129,6 +157,8 @@ class Fleet:
             result = self.run_one(host, text, limit)
             if on_result:
                 on_result(result)
+            if self.on_result:
+                self.on_result(result)
             return result
 
         workers = min(self.forks, len(targets))
@@ -143,50 +173,134 @@ class Fleet:
             return self._run_ssh(host, command, timeout, started)
         except Exception as error:  # every host gets a result, whatever went wrong
             return Result(
-                host.name, False, None, time.monotonic() - started, error=_describe(host, error)
+                host.name,
+                False,
+                None,
+                time.monotonic() - started,
+                error=self._describe(host, error),
             )
+
+    def _describe(self, host: Host, error: Exception) -> str:
+        if isinstance(error, RlmctlError):  # the ssh configuration itself is wrong
+            return str(error)
+        if isinstance(error, JumpError):
+            return (
+                f"jump host {error.jump.describe()} (ProxyJump of {host.name}): "
+                + describe_ssh_error(error.jump.alias, error.jump, error.error)
+            )
+        endpoint = self.endpoint(host)
+        if isinstance(error, JumpRefused):
+            via = endpoint.via.address if endpoint.via else "the jump host"
+            return (
+                f"unreachable: {via} cannot connect on to {endpoint.hostname}:{endpoint.port} "
+                f"({_first_line(error.error) or 'channel refused'}); is the host up and sshd "
+                "running there?"
+            )
+        return describe_ssh_error(host.name, endpoint, error)
+
+    def endpoint(self, host: Host) -> Endpoint:
+        """Where SSH goes for `host`, as `ssh` resolves it for Ansible (rlmctl.sshconfig)."""
+        with self._lock:
+            endpoint = self._endpoints.get(host.name)
+            if endpoint is None:
+                endpoint = self._resolver.resolve(host.address, host.ssh_args)
+                self._endpoints[host.name] = endpoint
+        return endpoint
 
     def _connection(self, host: Host) -> Any:
         with self._lock:
             connection = self._connections.get(host.name)
-            if connection is not None:
-                return connection
-            if self._fabric_config is None:
-                from fabric import Config
+        if connection is not None:
+            return connection
+        connection = self._open(self.endpoint(host))
+        with self._lock:
+            self._connections[host.name] = connection
+        return connection
 
-                # One config for all connections: loading ssh_config files per host is slow.
-                self._fabric_config = Config(lazy=True)
+    def _open(self, endpoint: Endpoint) -> Any:
+        """A connected Fabric connection to `endpoint`: directly, through a ProxyCommand, or
+        through a `direct-tcpip` channel of its jump host's connection (one connection per jump
+        host, shared by every host behind it)."""
         import paramiko
-        from fabric import Connection
+        from fabric import Config
 
+        with self._lock:
+            if self._fabric_config is None:
+                # One config for all connections; the ssh configuration is read by
+                # rlmctl.sshconfig, once, not by Fabric per host.
+                self._fabric_config = Config(lazy=True)
         connect_kwargs: dict[str, Any] = {
             "banner_timeout": self.connect_timeout,
             "auth_timeout": self.connect_timeout,
+            "allow_agent": not endpoint.identities_only,
         }
-        if host.key_file:
-            connect_kwargs.update(key_filename=host.key_file, look_for_keys=False)
-        connection = Connection(
-            host.address,
-            user=host.user,
-            port=host.port,
+        if endpoint.identity_files:
+            keys = [k for k in endpoint.identity_files if Path(k).is_file()]
+            connect_kwargs.update(key_filename=keys, look_for_keys=False)
+        sock = self._socket(endpoint)
+        if sock is not None:
+            connect_kwargs["sock"] = sock
+        connection = _connection_class()(
+            endpoint.hostname,
+            user=endpoint.login,
+            port=endpoint.port,
             config=self._fabric_config,
             connect_timeout=self.connect_timeout,
             connect_kwargs=connect_kwargs,
         )
         client = connection.client
-        if host.known_hosts_file:
-            # Like ssh: UserKnownHostsFile replaces the default file.
-            if Path(host.known_hosts_file).is_file():
-                client.load_host_keys(host.known_hosts_file)
-        else:
-            client.load_system_host_keys()
-        if host.strict_host_key_checking in ("no", "off", "accept-new"):
-            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-        else:
-            client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        with self._lock:
-            self._connections[host.name] = connection
+        # Like ssh: every known_hosts file counts (UserKnownHostsFile replaces the default).
+        for path in (*endpoint.known_hosts_files, *endpoint.global_known_hosts_files):
+            if Path(path).is_file():
+                client.load_system_host_keys(path)
+        policy = paramiko.RejectPolicy() if endpoint.strict else paramiko.AutoAddPolicy()
+        client.set_missing_host_key_policy(policy)
+        try:
+            connection.open()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                connection.close()
+            if sock is not None:
+                with contextlib.suppress(Exception):
+                    sock.close()
+            raise
         return connection
+
+    def _socket(self, endpoint: Endpoint) -> Any:
+        """What carries the SSH connection when it is not a plain TCP connection."""
+        import paramiko
+
+        if endpoint.via is not None:
+            gateway = self._gateway(endpoint.via)
+            try:
+                return gateway.transport.open_channel(
+                    "direct-tcpip",
+                    dest_addr=(endpoint.hostname, endpoint.port),
+                    src_addr=("", 0),
+                    timeout=self.connect_timeout,
+                )
+            except paramiko.SSHException as error:
+                raise JumpRefused(endpoint, error) from None
+        if endpoint.proxy_command:
+            return paramiko.ProxyCommand(endpoint.proxy_command)
+        return None
+
+    def _gateway(self, endpoint: Endpoint) -> Any:
+        """The open connection to a jump host; made once, remade when it broke."""
+        with self._lock:
+            lock = self._gateway_locks.setdefault(endpoint, threading.Lock())
+        with lock:
+            connection = self._gateways.get(endpoint)
+            if connection is not None and connection.is_connected:
+                return connection
+            try:
+                connection = self._open(endpoint)
+            except JumpError:
+                raise
+            except Exception as error:
+                raise JumpError(endpoint, error) from None
+            self._gateways[endpoint] = connection
+            return connection
 
     def _run_ssh(self, host: Host, command: str, timeout: float, started: float) -> Result:
         from invoke.exceptions import CommandTimedOut
@@ -254,38 +368,69 @@ def _text(data: bytes | str | None) -> str:
     return data or ""
 
 
-def _describe(host: Host, error: Exception) -> str:
-    """One line saying what went wrong with a host and how to fix it."""
+@functools.cache
+def _connection_class() -> Any:
+    """Fabric's Connection, safe to make and use from many threads over one Config.
+
+    Connection.__init__ assigns `inline_ssh_env`, which is no attribute of its class, so invoke
+    stores it into the shared Config as a modification and re-merges that Config from empty:
+    another thread reading it meanwhile got "No attribute or config key found for 'gateway'"
+    (seen in bench/fanout.py at 16 hosts). A class attribute makes the assignment an ordinary
+    instance attribute."""
+    from fabric import Connection
+
+    class SharedConfigConnection(Connection):  # type: ignore[misc]
+        inline_ssh_env = None
+
+    return SharedConfigConnection
+
+
+def _first_line(error: Exception) -> str:
+    message = str(error)
+    return message.splitlines()[0] if message else ""
+
+
+def describe_ssh_error(name: str, endpoint: Endpoint, error: Exception) -> str:
+    """One line saying what went wrong connecting to `endpoint` (host `name`) and the fix."""
     import paramiko
 
-    where = f"{host.address}:{host.port}"
-    known_hosts = host.known_hosts_file or os.path.expanduser("~/.ssh/known_hosts")
+    where = f"{endpoint.hostname}:{endpoint.port}"
+    route = f" {endpoint.route}" if endpoint.route else ""
+    known_hosts = endpoint.known_hosts_files[0] if endpoint.known_hosts_files else "known_hosts"
+    scan = f"ssh-keyscan -p {endpoint.port} {endpoint.hostname} >> {known_hosts}"
+    if endpoint.via is not None:  # the host answers only the jump host
+        scan = f"ssh {endpoint.via.alias} ssh-keyscan -p {endpoint.port} {endpoint.hostname} >> {known_hosts}"
     if isinstance(error, paramiko.BadHostKeyException):
         return (
             f"host key of {where} CHANGED (possible man-in-the-middle or reinstalled host); "
-            f"verify, then remove the old key: ssh-keygen -R '[{host.address}]:{host.port}' "
+            f"verify, then remove the old key: ssh-keygen -R '[{endpoint.hostname}]:{endpoint.port}' "
             f"-f {known_hosts}"
         )
-    message = str(error)
-    if isinstance(error, paramiko.SSHException) and "not found in known_hosts" in message:
-        return (
-            f"unknown SSH host key for {host.name} ({where}); verify and add it: "
-            f"ssh-keyscan -p {host.port} {host.address} >> {known_hosts}"
-        )
+    message = _first_line(error)
+    if isinstance(error, paramiko.SSHException) and "not found in known_hosts" in str(error):
+        return f"unknown SSH host key for {name} ({where}{route}); verify and add it: {scan}"
     if isinstance(error, paramiko.AuthenticationException):
+        keys = ", ".join(endpoint.identity_files)
         return (
-            f"SSH authentication failed as {host.user or os.environ.get('USER', '?')}@{where}"
-            f"{' with key ' + host.key_file if host.key_file else ''}; "
-            "fix ansible_user / ansible_ssh_private_key_file"
+            f"SSH authentication failed as {endpoint.login}@{where}{route}"
+            f"{' with key ' + keys if keys else ''}; "
+            "fix ansible_user / ansible_ssh_private_key_file (or User / IdentityFile in the ssh "
+            "configuration)"
         )
+    if isinstance(error, paramiko.ProxyCommandFailure):
+        return f"unreachable: ProxyCommand for {where} failed: {message}; fix the ProxyCommand"
     if isinstance(error, (socket.timeout, TimeoutError)):
-        return f"unreachable: connecting to {where} timed out; is the host up?"
+        return f"unreachable: connecting to {where}{route} timed out; is the host up?"
     if isinstance(error, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionError)):
         return f"unreachable: {where} refused the connection; is sshd running there?"
     if isinstance(error, socket.gaierror):
-        return f"unreachable: cannot resolve {host.address}; fix ansible_host"
+        return f"unreachable: cannot resolve {endpoint.hostname}; fix ansible_host (or HostName)"
+    if isinstance(error, EOFError) or (
+        isinstance(error, paramiko.SSHException) and "Error reading SSH protocol banner" in message
+    ):
+        return f"unreachable: {where}{route} closed the connection before SSH started"
     if isinstance(error, paramiko.SSHException):
-        return f"SSH to {where} failed: {message.splitlines()[0] if message else 'no detail'}"
+        return f"SSH to {where}{route} failed: {message or 'no detail'}"
     if isinstance(error, OSError):
         return f"unreachable: {where}: {error.strerror or message}"
-    return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+    return f"{type(error).__name__}: {message}"

@@ -520,6 +520,14 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if t.precision == "fp16" and cfg.parallel.strategy != "ddp":
+        # Each rank would find infs only in its own gradient shard: the ranks could disagree on
+        # which steps the loss scaler skips. bf16 needs no loss scaling.
+        raise ConfigError(
+            f"train.precision=fp16 is not supported with parallel.strategy="
+            f"{cfg.parallel.strategy} (ranks would disagree on which steps overflow); use "
+            "train.precision=bf16, or parallel.strategy=ddp"
+        )
 
 
 def check_world_size(cfg: Config, world_size: int) -> int:

@@ -163,7 +163,10 @@ def verify_checkpoint(path: Path, full: bool = False) -> CheckpointInfo:
             mtime = 0.0
         return CheckpointInfo(step, path, valid, reason, size, mtime)
 
-    manifest = read_json(path / MANIFEST_NAME)
+    try:
+        manifest = read_json(path / MANIFEST_NAME)
+    except OSError as error:  # an I/O error, not a missing file: the checkpoint cannot be used
+        return result(False, f"cannot read {MANIFEST_NAME} ({error.strerror or error})")
     if manifest is None:
         return result(False, "no readable manifest.json (partial or interrupted save)")
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -180,8 +183,11 @@ def verify_checkpoint(path: Path, full: bool = False) -> CheckpointInfo:
             return result(False, f"{name} is missing")
         if size != entry.get("size"):
             return result(False, f"{name} has {size} bytes, manifest says {entry.get('size')}")
-        if full and sha256_file(file_path) != entry.get("sha256"):
-            return result(False, f"{name} does not match its sha256")
+        try:
+            if full and sha256_file(file_path) != entry.get("sha256"):
+                return result(False, f"{name} does not match its sha256")
+        except OSError as error:
+            return result(False, f"cannot read {name} ({error.strerror or error})")
         total += size
     return result(True, "ok", total)
 

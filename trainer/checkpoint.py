@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -33,9 +34,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from runcontract.config import CheckpointConfig as CheckpointConfig
-from trainer import sharded_checkpoint
+from trainer import mapped_state, sharded_checkpoint
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.hashed_write import HashingWriter, without_zip_crc32
 from trainer.rundir import (
@@ -71,6 +73,7 @@ class Ranks:
     gather: Callable[[Any], list[Any]] = lambda obj: [obj]  # every rank's object, in rank order
     # A gloo group of its own for sharded saves, whose collectives may run in a background thread.
     checkpoint_group: Any = None
+    hosts: tuple[str, ...] = ()  # host name of every rank, in rank order (for messages)
 
     def gather_for_checkpoint(self, obj: Any) -> list[Any]:
         """`gather` on the checkpoint group (safe from the async save thread)."""
@@ -85,7 +88,7 @@ class UnreadableFile(Exception):
     """One checkpoint file could not be loaded; names the file."""
 
     def __init__(self, path: Path, cause: BaseException) -> None:
-        super().__init__(f"{path.parent.name}/{path.name} ({_first_line(cause)})")
+        super().__init__(f"{path.parent.name}/{path.name} ({_why(cause)})")
         self.path = path
 
 
@@ -101,6 +104,8 @@ def state_nbytes(obj: Any) -> int:
 
     def visit(value: Any) -> None:
         if isinstance(value, torch.Tensor):
+            if hasattr(value, "to_local"):  # a DTensor: this rank's shard
+                value = value.to_local()
             storage = value.untyped_storage()
             seen[(storage.data_ptr(), str(value.device))] = storage.nbytes()
         elif isinstance(value, dict):
@@ -209,6 +214,14 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def _why(exc: BaseException) -> str:
+    """An exception in one line without the path an OSError repeats (the caller names the
+    file): "OSError: [Errno 28] No space left on device"."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: [Errno {exc.errno}] {exc.strerror}"
+    return _first_line(exc)
+
+
 def _json_safe(value: Any) -> Any:
     """The value if it survives JSON, else its repr: manifest meta must never break a save."""
     try:
@@ -273,6 +286,11 @@ class CheckpointStore:
         self.tensor_template: Callable[[], dict[str, Any]] | None = None
         # Called with each file before it is read; lets tests make one rank's read fail.
         self.read_hook: Callable[[Path], None] = lambda path: None
+        # Called with each shard file before a sharded save writes it; lets tests fail a write.
+        self.write_hook: Callable[[Path], None] = lambda path: None
+        # Checkpoints every rank skipped at resume or rollback because some rank could not read
+        # them: a save of the same step sets them aside instead of keeping them as "already saved".
+        self._unreadable: set[Path] = set()
 
     # saving ------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> bool:
@@ -284,7 +302,7 @@ class CheckpointStore:
         try:
             self.run_dir.checkpoints_dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temp_dirs()
-            self._check_free_space(step, state)
+            self._check_free_space(state_nbytes(state))
         except OSError as exc:
             return self._failed(step, exc, None)
         if not self.cfg.async_save:
@@ -348,7 +366,7 @@ class CheckpointStore:
         tmp = self._tmp_dir(step)
         try:
             existing = verify_checkpoint(final) if final.exists() else None
-            if existing is not None and existing.valid:
+            if existing is not None and existing.valid and final not in self._unreadable:
                 # A SIGTERM save right after an interval save: the same step is already durable.
                 log.info("checkpoint: %s already exists, not written again", final)
                 self.last_saved_step = step
@@ -368,7 +386,7 @@ class CheckpointStore:
             _fsync_dir(tmp)
             self.phase_hook("manifest-written")
             if existing is not None:
-                self._set_aside_invalid(existing)
+                self._set_aside_invalid(self._why_replaced(existing))
             os.rename(tmp, final)
             self.phase_hook("renamed")
             _fsync_dir(final.parent)
@@ -419,9 +437,11 @@ class CheckpointStore:
         """Every rank writes its DCP shards into rank 0's temp directory; rank 0 publishes it."""
         self._wait_for_write()
         started = time.perf_counter()
+        # Every rank writes its own shards to the same filesystem: rank 0 checks room for all.
+        sizes = self.ranks.gather(state_nbytes({k: state[k] for k in ("model", "optimizer")}))
         prepared: tuple[str, str] | None = None
         if self.rank == 0:
-            prepared = self._prepare_sharded(step)
+            prepared = self._prepare_sharded(step, sum(sizes))
         kind, where = self.ranks.broadcast(prepared)
         if kind == "exists":
             self.last_saved_step = step
@@ -437,10 +457,11 @@ class CheckpointStore:
             if self.cfg.async_save and self._shard_stager is None:
                 self._shard_stager = sharded_checkpoint.background_stager()
             write = sharded_checkpoint.ShardWrite(
-                tensors, tmp, self.ranks.checkpoint_group, self._shard_stager
+                tensors, tmp, self.ranks.checkpoint_group, self._shard_stager, self.write_hook
             )
-        except Exception as exc:
-            return self._failed(step, exc, tmp if self.rank == 0 else None)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            failure = RuntimeError(self._shard_failure(exc, "write", None))
+            return self._failed(step, failure, tmp if self.rank == 0 else None)
         if not self.cfg.async_save:
             return self._finish_sharded(step, tmp, rest, write, started)
         # DCP copies the tensors to host memory in its staging thread (`wait_for_staging`); the
@@ -453,13 +474,15 @@ class CheckpointStore:
         self._thread.start()
         return True
 
-    def _prepare_sharded(self, step: int) -> tuple[str, str]:
-        """Rank 0: ("write", temp dir), ("exists", path) or ("error", why)."""
+    def _prepare_sharded(self, step: int, nbytes: int) -> tuple[str, str]:
+        """Rank 0: ("write", temp dir), ("exists", path) or ("error", why); `nbytes`: the
+        tensor bytes all ranks will write."""
         final = self.run_dir.checkpoint_path(step)
         try:
             self.run_dir.checkpoints_dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temp_dirs()
-            if final.exists() and verify_checkpoint(final).valid:
+            self._check_free_space(nbytes)
+            if final.exists() and verify_checkpoint(final).valid and final not in self._unreadable:
                 log.info("checkpoint: %s already exists, not written again", final)
                 return "exists", str(final)
             tmp = self._tmp_dir(step)
@@ -467,7 +490,7 @@ class CheckpointStore:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         except OSError as exc:
-            return "error", _first_line(exc)
+            return "error", str(exc).strip().splitlines()[0]
         return "write", str(tmp)
 
     def _finish_sharded(
@@ -484,16 +507,21 @@ class CheckpointStore:
         try:
             mine = write.digests()
             self.phase_hook(f"shards-written:{step}")
-        except Exception as exc:
-            problem = _first_line(exc)
-        gathered = self.ranks.gather_for_checkpoint((mine, problem))
-        problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(gathered) if p]
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            problem = self._shard_failure(exc, "write", write.failed_path)
+        try:
+            gathered = self.ranks.gather_for_checkpoint((mine, problem))
+        except Exception as exc:  # a rank died mid-save: nothing may be published
+            lost = RuntimeError(f"{self._who(self.rank)} lost its peers ({_first_line(exc)})")
+            return self._failed(step, lost, tmp if self.rank == 0 else None)
+        # DCP tells every rank about every failing rank: one entry per distinct report.
+        problems = list(dict.fromkeys(p for _, p in gathered if p))
         if self.rank != 0:
             ok = not problems or self._failed(step, RuntimeError("; ".join(problems)), None)
             if ok:
                 self.saves += 1
                 self.last_saved_step = step
-            self.ranks.gather_for_checkpoint(None)  # rank 0 has published (or given up)
+            self._agree_done()  # rank 0 has published (or given up)
             return ok
         try:
             if problems:
@@ -512,17 +540,27 @@ class CheckpointStore:
             _fsync_dir(tmp)
             self.phase_hook("manifest-written")
             if final.exists():
-                self._set_aside_invalid(verify_checkpoint(final))
+                self._set_aside_invalid(self._why_replaced(verify_checkpoint(final)))
             os.rename(tmp, final)
             _fsync_dir(final.parent)
         except Exception as exc:
             ok = self._failed(step, exc, tmp)
         else:
             ok = self._published(step, final, manifest, started)
-        self.ranks.gather_for_checkpoint(None)
+        self._agree_done()
         return ok
 
+    def _agree_done(self) -> None:
+        """The last collective of a sharded save: every rank waits for rank 0's rename. A peer
+        that died by now finds its death reported by the training loop's next collective."""
+        try:
+            self.ranks.gather_for_checkpoint(None)
+        except Exception as exc:
+            log.warning("checkpoint: a peer left during the save's last step: %s", _first_line(exc))
+
     def _failed(self, step: int, exc: BaseException, tmp: Path | None) -> bool:
+        """Count a save that did not produce a checkpoint (every rank of a sharded save calls
+        this with the same gathered reason; rank 0 says it)."""
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         self.failures += 1
@@ -530,8 +568,8 @@ class CheckpointStore:
             f"checkpoint {checkpoint_dir_name(step)} not saved: {_first_line(exc)}; "
             f"earlier checkpoints in {self.run_dir.checkpoints_dir} are untouched"
         )
-        log.error("error: %s", message)
         if self.rank == 0:
+            log.error("error: %s", message)
             with contextlib.suppress(OSError):  # the same full disk; the log line is the record
                 self.run_dir.append_event("checkpoint_failed", step=step, error=_first_line(exc))
         if self.cfg.on_error == "stop":
@@ -542,8 +580,40 @@ class CheckpointStore:
                 raise error
         return False
 
-    def _check_free_space(self, step: int, state: dict[str, Any]) -> None:
-        needed = state_nbytes(state) + SIZE_SLACK_BYTES + self.cfg.min_free_bytes
+    def _who(self, rank: int) -> str:
+        hosts = self.ranks.hosts
+        host = hosts[rank] if rank < len(hosts) else (self._host if rank == self.rank else "?")
+        return f"rank {rank} ({host})"
+
+    def _relative(self, path: Path) -> str:
+        """A checkpoint file as the operator finds it: relative to checkpoints/."""
+        try:
+            return str(Path(path).relative_to(self.run_dir.checkpoints_dir))
+        except ValueError:
+            return str(path)
+
+    def _shard_failure(self, exc: BaseException, verb: str, own_path: Path | None) -> str:
+        """One line naming each failing rank, its host, the file and why, e.g. "rank 1 (node2)
+        cannot write .tmp-step-00000002-.../dcp/__1_0.distcp (OSError: [Errno 28] No space left
+        on device)". DCP hands every rank every rank's exception; an OSError names its file, any
+        other failure is placed by this rank's own record of the file it failed on."""
+        failures = sharded_checkpoint.rank_failures(exc) or {self.rank: exc}
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            filename = getattr(failure, "filename", None)
+            path = Path(filename) if filename else (own_path if rank == self.rank else None)
+            where = f" {self._relative(path)}" if path is not None else " its shards"
+            parts.append(f"{self._who(rank)} cannot {verb}{where} ({_why(failure)})")
+        return "; ".join(parts)
+
+    @staticmethod
+    def _why_replaced(info: CheckpointInfo) -> CheckpointInfo:
+        if info.valid:  # verified, but some rank could not read it at resume
+            return dataclasses.replace(info, reason="a rank could not read it at resume")
+        return info
+
+    def _check_free_space(self, nbytes: int) -> None:
+        needed = nbytes + SIZE_SLACK_BYTES + self.cfg.min_free_bytes
         free = shutil.disk_usage(self.run_dir.checkpoints_dir).free
         if free < needed:
             raise OSError(
@@ -651,20 +721,18 @@ class CheckpointStore:
                 )
             self._warn_newer(self._step_of(path))
             return state
-        listing = None
+        listing: Any = None
         if self.rank == 0:
-            candidates = []
-            checkpoints = self.run_dir.checkpoints()
-            for info in reversed(checkpoints):
-                if info.valid:
-                    candidates.append(str(info.path))
-                else:
-                    self._warn(f"checkpoint: skipping {info.path}: {info.reason}")
-            # Checkpoints that were complete once (a manifest): if none is usable now, starting
-            # again from step 0 would silently throw their progress away. The operator decides.
-            damaged = [i for i in checkpoints if (i.path / MANIFEST_NAME).exists()]
-            listing = (candidates, [(i.path.name, i.reason) for i in damaged])
-        candidates, damaged = self.ranks.broadcast(listing)
+            try:
+                listing = self._listing()
+            except OSError as exc:  # every rank must stop, not just rank 0
+                listing = f"{self._who(0)} cannot list {self.run_dir.checkpoints_dir} ({_why(exc)})"
+        listing = self.ranks.broadcast(listing)
+        if isinstance(listing, str):
+            raise DataError(
+                f"{listing}; fix the filesystem, or start over with checkpoint.resume=never"
+            )
+        candidates, damaged = listing
         # Every candidate has a manifest, so when none is readable the DataError below stops.
         state = self._first_readable(candidates, none_left="none left: the resume stops")
         if state is None and damaged:
@@ -676,6 +744,20 @@ class CheckpointStore:
             )
         return state
 
+    def _listing(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """Rank 0: the valid checkpoints newest first, and those that were complete once."""
+        candidates = []
+        checkpoints = self.run_dir.checkpoints()
+        for info in reversed(checkpoints):
+            if info.valid:
+                candidates.append(str(info.path))
+            else:
+                self._warn(f"checkpoint: skipping {info.path}: {info.reason}")
+        # Checkpoints that were complete once (a manifest): if none is usable now, starting
+        # again from step 0 would silently throw their progress away. The operator decides.
+        damaged = [i for i in checkpoints if (i.path / MANIFEST_NAME).exists()]
+        return candidates, [(i.path.name, i.reason) for i in damaged]
+
     def _first_readable(self, candidates: list[str], none_left: str) -> dict[str, Any] | None:
         """The state of the first candidate every rank can read; all ranks skip the others.
         `none_left` says in the warning what happens after the last candidate fails."""
@@ -683,6 +765,7 @@ class CheckpointStore:
             state, problems = self._read_on_every_rank(Path(name))
             if not problems:
                 return state
+            self._unreadable.add(Path(name))
             instead = Path(candidates[i + 1]).name if i + 1 < len(candidates) else none_left
             for problem in problems:
                 self._warn(f"checkpoint: {problem}; all ranks fall back to {instead}")
@@ -700,6 +783,19 @@ class CheckpointStore:
             state = self.read(path)
         except UnreadableFile as exc:  # a corrupt or unreadable file must not stop the resume
             problem = f"cannot read {exc}"
+        except sharded_checkpoint.UnreadableShards as exc:
+            # Every rank learns every rank's failure from DCP: each reports only its own (all
+            # of them when DCP names none), so the warning names the rank that failed.
+            mine = exc.failures.get(self.rank) if exc.failures else exc
+            if mine is not None:
+                filename = getattr(mine, "filename", None)
+                failed = Path(filename) if filename else exc.failed_path
+                where = (
+                    self._relative(failed)
+                    if failed
+                    else f"{path.name}/{sharded_checkpoint.DCP_DIR}"
+                )
+                problem = f"cannot read {where} ({_why(mine)})"
         problems = self._problems(self.ranks.gather(problem))
         if problems:
             self.loaded_path = None
@@ -707,11 +803,15 @@ class CheckpointStore:
         return state, []
 
     def _problems(self, per_rank: list[str | None]) -> list[str]:
-        return [f"rank {r} {p}" for r, p in enumerate(per_rank) if p is not None]
+        return [f"{self._who(r)} {p}" for r, p in enumerate(per_rank) if p is not None]
 
     def _verify_share(self, path: Path) -> str | None:
         """Why this rank must not resume from `path`, or None. Every rank checks the sizes of all
         files; with verify=full the sha256 work is split: file i is hashed by rank i % world."""
+        try:
+            self.read_hook(path / MANIFEST_NAME)
+        except OSError as exc:
+            return f"cannot read {path.name}/{MANIFEST_NAME} ({_why(exc)})"
         info = verify_checkpoint(path)
         if not info.valid:
             return f"cannot use {path.name} ({info.reason})"
@@ -780,8 +880,10 @@ class CheckpointStore:
         """A checkpoint's whole state on CPU; records it as `loaded_path`."""
         if sharded_checkpoint.is_sharded(path):
             return self._read_sharded(path)
-        model = self._load_file(path / MODEL_FILE)
-        optimizer = self._load_file(path / OPTIMIZER_FILE)
+        # Memory-mapped: each rank reads only the pages it copies into its own state
+        # (trainer/mapped_state.py), not the whole checkpoint into its memory.
+        model = self._load_file(path / MODEL_FILE, mapped=True)
+        optimizer = self._load_file(path / OPTIMIZER_FILE, mapped=True)
         # Written by this module; holds Python and numpy RNG state objects that the weights-only
         # unpickler rejects.
         rest = self._load_file(path / TRAINER_STATE_FILE, weights_only=False)
@@ -791,23 +893,24 @@ class CheckpointStore:
         return {"model": model, "optimizer": optimizer, **rest}
 
     def _read_sharded(self, path: Path) -> dict[str, Any]:
-        """trainer_state.pt on every rank, and each rank's own shards (a collective)."""
-        rest = self._load_file(path / TRAINER_STATE_FILE, weights_only=False)
+        """Each rank's own shards (a collective), then trainer_state.pt on every rank: in this
+        order, a rank that fails on its own file never leaves the others waiting in `dcp.load`."""
         shards = path / sharded_checkpoint.DCP_DIR
         if self.tensor_template is None:
             raise UnreadableFile(shards, RuntimeError("sharded: read it with the trainer"))
-        try:
-            tensors = sharded_checkpoint.read_shards(path, self.tensor_template())
-        except Exception as exc:
-            raise UnreadableFile(shards, exc) from exc
+        # A failure on any rank raises UnreadableShards on every rank (`_read_on_every_rank`).
+        tensors = sharded_checkpoint.read_shards(path, self.tensor_template(), self.read_hook)
+        rest = self._load_file(path / TRAINER_STATE_FILE, weights_only=False)
         self.loaded_path = path
         if self.rank == 0:
             log.info("checkpoint: loading %s (sharded)", path)
         return {**tensors, **rest, sharded_checkpoint.FORMAT_KEY: "sharded"}
 
-    def _load_file(self, path: Path, weights_only: bool = True) -> Any:
+    def _load_file(self, path: Path, weights_only: bool = True, mapped: bool = False) -> Any:
         try:
             self.read_hook(path)
+            if mapped:
+                return mapped_state.load_mapped(path)
             return torch.load(path, map_location="cpu", weights_only=weights_only)
         except Exception as exc:
             raise UnreadableFile(path, exc) from exc

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from trainer import parallel, sharded_checkpoint
+from trainer import mapped_state, parallel, sharded_checkpoint
 from trainer.data import GlobalSampler, TokenDataset, consumed_shards, rank_positions
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
@@ -175,9 +175,12 @@ class TrainState:
                     self.model, self.optimizer, state["model"], state["optimizer"]
                 )
             else:
+                # A full checkpoint is memory-mapped (trainer/mapped_state.py): the copies made
+                # here are this rank's, the file's pages are let go once copied.
                 self.model.load_state_dict(state["model"])
+                mapped_state.release(state["model"])
                 if state["optimizer"]:  # empty in an imported checkpoint: start the optimizer fresh
-                    self.optimizer.load_state_dict(state["optimizer"])
+                    self.optimizer.load_state_dict(mapped_state.copied(state["optimizer"]))
         except (RuntimeError, ValueError, KeyError) as exc:
             raise ConfigError(
                 f"the checkpoint does not fit this model/optimizer config ({misfit(exc)}); "

@@ -66,6 +66,7 @@ class DistEnv:
     backend: str | None  # None: single process, no process group
     hosts: tuple[str, ...] = ()  # host name of every rank, in rank order
     startup_group: Any = None  # a gloo group with the short startup timeout
+    owns_group: bool = True  # False: the process group was formed by the caller, which keeps it
 
     @property
     def is_main(self) -> bool:
@@ -114,14 +115,21 @@ def synchronize(device: torch.device) -> None:
         getattr(torch, device.type).synchronize(device)
 
 
+def rank_from_env() -> int:
+    """This process's rank as torchrun announced it (0 without torchrun); readable before any
+    setup."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def world_size_from_env() -> int:
     """The world size torchrun announced (1 without torchrun); readable before any setup."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init(cfg: CommConfig, device: str = "auto") -> DistEnv:
-    """Join the process group torchrun describes and pick this process's device."""
-    rank = int(os.environ.get("RANK", "0"))
+    """Join the process group torchrun describes (or the one the caller formed already, which
+    the caller keeps: a test that runs several trainings in one group) and pick the device."""
+    rank = rank_from_env()
     world_size = world_size_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_gpu = use_accelerator(device)
@@ -141,7 +149,11 @@ def init(cfg: CommConfig, device: str = "auto") -> DistEnv:
     else:
         dev = torch.device("cpu")
     backend = None
-    if world_size > 1 or "RANK" in os.environ:
+    joined = dist.is_available() and dist.is_initialized()
+    if joined:  # a caller that runs several trainings in one process group (tests)
+        backend = str(dist.get_backend())
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    elif world_size > 1 or "RANK" in os.environ:
         backend = gpu.backend
         if use_gpu:
             # Turn a hung or failed collective into an exception instead of a silent hang.
@@ -151,13 +163,16 @@ def init(cfg: CommConfig, device: str = "auto") -> DistEnv:
             timeout=timedelta(seconds=cfg.timeout_s),
             device_id=dev if use_gpu else None,
         )
+    if backend is not None:
         # Right after the rendezvous every rank is alive and here: learn the host names now, so
         # that a rank hanging later can be named; the side group gives the startup check its own
         # short timeout (monitored_barrier exists for gloo only, hence gloo even next to NCCL).
         hosts: list[Any] = [None] * world_size
         dist.all_gather_object(hosts, socket.gethostname())
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.startup_timeout_s))
-        return DistEnv(rank, world_size, local_rank, dev, backend, tuple(hosts), group)
+        return DistEnv(
+            rank, world_size, local_rank, dev, backend, tuple(hosts), group, owns_group=not joined
+        )
     return DistEnv(rank, world_size, local_rank, dev, backend)
 
 
@@ -173,7 +188,7 @@ def shutdown(env: DistEnv, wrapped: nn.Module | None = None) -> None:
     GIL forever (a run recorded done whose worker never exits)."""
     if wrapped is not None and hasattr(wrapped, "reducer"):
         del wrapped.reducer
-    if env.distributed and dist.is_initialized():
+    if env.distributed and env.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 

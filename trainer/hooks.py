@@ -34,6 +34,10 @@ class TrainHooks:
     def on_checkpoint_read(self, rank: int, path: Path) -> None:
         """Before this rank reads checkpoint file `path` at resume or rollback (may raise OSError)."""
 
+    def on_checkpoint_write(self, rank: int, path: Path) -> None:
+        """Before this rank opens shard file `path` of a sharded save for writing (may raise
+        OSError)."""
+
     def on_checkpoint_phase(self, rank: int, phase: str) -> None:
         """At each phase of a checkpoint save on this rank (`CheckpointStore.phase_hook`)."""
 

@@ -230,6 +230,7 @@ class Reporter:
         self.seq_len = 0
         self.comm_bytes_total = 0
         self.checkpoints: CheckpointManager | None = None
+        self.status_written = False  # this attempt has written status.json (`starting`)
         # Step and communication seconds since status.json was last written: it carries their
         # means over the window, which the exporter turns into the communication share.
         self.window = [0, 0.0, 0.0]  # steps, step seconds, comm seconds
@@ -250,14 +251,11 @@ class Reporter:
         if self.env.is_main:
             self.run_dir.append_event(kind, **fields)
 
-    def starting(self) -> None:
-        """status.json says "starting" (keeping the previous step and loss visible until the first
-        new step); the metrics endpoint comes up."""
+    def serve_metrics(self) -> None:
+        """The Prometheus endpoint and /healthz ("starting") come up; a port in use is a
+        config error, before anything is written."""
         if not self.env.is_main:
             return
-        previous = self.run_dir.read_status()
-        previous.pop("exit_code", None)
-        self.run_dir.write_status(**{**previous, "state": "starting", "updated": time.time()})
         self.metrics = TrainMetrics(self.run_dir.name, self.cfg.checkpoint.interval_steps)
         host, port = self.cfg.metrics.host, self.cfg.metrics.port
         if port:
@@ -269,6 +267,17 @@ class Reporter:
                     "choose another metrics.port, or 0 to disable"
                 ) from None
             log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def starting(self) -> None:
+        """status.json says "starting" (keeping the previous step and loss visible until the first
+        new step): the first write of status.json by this attempt, once the checkpoint is loaded
+        and the start can no longer be refused (a refused start leaves status.json alone)."""
+        self.status_written = True
+        if not self.env.is_main:
+            return
+        previous = self.run_dir.read_status()
+        previous.pop("exit_code", None)
+        self.run_dir.write_status(**{**previous, "state": "starting", "updated": time.time()})
 
     def started(
         self,

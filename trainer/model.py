@@ -63,6 +63,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     (x₂ᵢ + i·x₂ᵢ₊₁)(cos + i·sin): the same products and sums as the real formula, in one pass
     over contiguous memory instead of six over strided halves (compiled: the real formula).
     """
+    if cos.dtype not in _ROPE_DTYPES or sin.dtype not in _ROPE_DTYPES:
+        # A cast of the tables (FSDP's MixedPrecisionPolicy casts floating forward arguments
+        # when cast_forward_inputs=True, `model.to(torch.bfloat16)` casts buffers) would lose
+        # the angle precision silently; refuse it loudly, in eager and compiled code alike.
+        raise RuntimeError(
+            f"RoPE tables arrived in {cos.dtype}/{sin.dtype}; they must stay fp32 "
+            "(keep the model's buffers in fp32, FSDP with cast_forward_inputs=False)"
+        )
     shape = (x.shape[1],) + (1,) * (x.dim() - 3) + (x.shape[-1] // 2,)
     if torch.compiler.is_compiling():  # inductor fuses the real formula; it has no complex codegen
         cos, sin = cos.view(shape), sin.view(shape)
@@ -72,6 +80,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     pairs = torch.view_as_complex(_at_least_fp32(x).contiguous().unflatten(-1, (-1, 2)))
     rotated = pairs * torch.complex(cos, sin).view(shape)
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+
+
+_ROPE_DTYPES = (torch.float32, torch.float64)
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +172,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 even under bf16 autocast: a mean of bf16 squares loses precision.
-        return F.rms_norm(_at_least_fp32(x), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+        # The gain too: FSDP gathers it in the training dtype (bf16) for the forward.
+        x32 = _at_least_fp32(x)
+        return F.rms_norm(x32, (x.shape[-1],), self.weight.to(x32.dtype), self.eps).to(x.dtype)
 
 
 class KVCache:
@@ -381,12 +394,18 @@ class RecurrentLM(nn.Module):
             x = block(x, cos, sin, CacheSlot(cache, ("core", iteration, i)) if cache else None)
         return x
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding × √d, the start of the residual stream, in fp32 (or wider) whatever dtype
+        the weights are used in: under FSDP's bf16 parameters as under DDP's bf16 autocast,
+        the stream, its norms and RoPE stay fp32 and only the matmuls run in bf16."""
+        return _at_least_fp32(self.embedding(input_ids)) * math.sqrt(self.cfg.d_model)
+
     # Decoding with a KV cache (trainer/generate.py): the forward pass in three parts.
     def embed(self, input_ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         """The prelude output e for tokens at positions start.. (their keys join the cache)."""
         t = input_ids.shape[1]
         cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
-        x = self.embedding(input_ids) * math.sqrt(self.cfg.d_model)
+        x = self.embed_tokens(input_ids)
         for i, block in enumerate(self.prelude):
             x = block(x, cos, sin, CacheSlot(cache, ("prelude", i)))
         return x
@@ -426,7 +445,7 @@ class RecurrentLM(nn.Module):
             raise ConfigError(f"sequence length {t} exceeds model.max_seq_len={cfg.max_seq_len}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
 
-        x = self.embedding(input_ids) * math.sqrt(cfg.d_model)
+        x = self.embed_tokens(input_ids)
         for block in self.prelude:
             x = block(x, cos, sin)
         e = x

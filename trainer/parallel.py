@@ -22,9 +22,11 @@ all-gathering r times; their memory is C blocks of unsharded weights, not r.
 Precision (`MixedPrecisionPolicy`): parameters are all-gathered and computed in the training
 dtype (bf16 under `train.precision=bf16`), the sharded master weights and AdamW state stay fp32,
 and gradients are reduced in fp32 (what the Huginn run did) unless `comm.compression=bf16|fp16`
-asks for a cheaper wire dtype. fp16 loss scaling is refused under fsdp/hsdp: each rank would find
-infs only in its own gradient shard and the ranks could disagree on skipping a step; bf16 needs
-no scaling.
+asks for a cheaper wire dtype. Forward arguments are not cast (`cast_forward_inputs=False`): the
+residual stream and the RoPE tables stay fp32 as under DDP's autocast, and the loop's autocast
+casts the matmul inputs. fp16 is refused under fsdp/hsdp at config time (`config.validate`):
+each rank would find infs only in its own gradient shard and the ranks could disagree on
+skipping a step; bf16 needs no scaling.
 
 Checkpoints hold the same full (unsharded) model and optimizer state as under DDP, gathered to
 host memory by `full_state` and sharded again by `load_full_state`, so a run can resume on any
@@ -45,8 +47,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -58,6 +58,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from trainer import mapped_state
 from trainer.commtime import CommTimer
 from trainer.config import Config
 from trainer.distributed import WIRE_DTYPES, CommStats, DistEnv
@@ -74,11 +75,6 @@ def check_strategy(cfg: Config, world_size: int, gpu: bool) -> None:
         if p.offload:
             raise ConfigError("parallel.offload needs parallel.strategy=fsdp or hsdp")
         return
-    if cfg.train.precision == "fp16":
-        raise ConfigError(
-            f"train.precision=fp16 is not supported with parallel.strategy={p.strategy} (ranks "
-            "would disagree on which steps overflow); use train.precision=bf16, or strategy=ddp"
-        )
     if p.offload and not gpu:
         raise ConfigError(
             "parallel.offload=true needs GPUs (it offloads device memory to the host); "
@@ -166,9 +162,13 @@ def shard_model(model: RecurrentLM, cfg: Config, env: DistEnv) -> ShardedCommSta
     """
     mesh = build_mesh(cfg, env)
     wire = WIRE_DTYPES[cfg.comm.compression]
+    # cast_forward_inputs=False: FSDP would otherwise cast every floating argument of a block's
+    # forward to bf16, the fp32 RoPE tables and the fp32 residual stream included. The loop's
+    # autocast casts what the matmuls need, as under DDP, so both strategies compute the same.
     policy = MixedPrecisionPolicy(
         param_dtype=PARAM_DTYPES[cfg.train.precision],
         reduce_dtype=wire or torch.float32,
+        cast_forward_inputs=False,
     )
     common: dict[str, Any] = {"mesh": mesh, "mp_policy": policy}
     if cfg.parallel.offload:
@@ -267,27 +267,73 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
 ) -> None:
-    """Shard full (unsharded) state dicts into a sharded model and its optimizer (a collective)."""
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
+    """Shard full (unsharded) state dicts into a sharded model and its optimizer, locally and
+    tensor by tensor: every rank has the full tensors (memory-mapped from the checkpoint,
+    trainer/mapped_state.py), copies the slice of each that is its own shard and lets go of the
+    full tensor's pages. No collective, and no rank holds more than its own state plus about
+    one tensor of the checkpoint (torch's set_*_state_dict with full state dicts would
+    distribute every tensor from rank 0's whole copy)."""
+    params = dict(model.named_parameters())
+    missing, unexpected = (
+        sorted(set(params) - set(model_state)),
+        sorted(set(model_state) - set(params)),
+    )
+    if missing or unexpected:
+        raise RuntimeError(
+            f"Missing key(s) in state_dict: {missing}; unexpected key(s): {unexpected}"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            full = model_state[name]
+            if full.shape != param.shape:
+                raise RuntimeError(
+                    f"size mismatch for {name}: copying a param with shape {full.shape} from "
+                    f"checkpoint, the shape in current model is {param.shape}."
+                )
+            _local(param).copy_(_own_slice(full, param))
+            mapped_state.release(full)
     if not optim_state:  # an imported checkpoint holds weights only: the optimizer starts fresh
         return
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    # In the optimizer's own (index-keyed) format, which is how full checkpoints store it: torch's
+    # set_optimizer_state_dict would first run a fake step to create every moment (and a zero
+    # gradient per parameter), holding the rank's optimizer state twice.
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
     ids = [i for group in optim_state["param_groups"] for i in group["params"]]
-    if len(ids) != len(names):
-        raise ValueError(f"optimizer state has {len(ids)} parameters, the model {len(names)}")
-    fqn = dict(zip(ids, _param_names(model, optimizer), strict=True))
-    named = {
-        "state": {fqn[i]: value for i, value in optim_state["state"].items()},
-        "param_groups": [
-            {**group, "params": [fqn[i] for i in group["params"]]}
-            for group in optim_state["param_groups"]
-        ],
+    if len(ids) != len(ordered):
+        raise ValueError(f"optimizer state has {len(ids)} parameters, the model {len(ordered)}")
+    by_id = dict(zip(ids, ordered, strict=True))
+    state = {
+        i: {key: _sharded_like(value, by_id[i]) for key, value in entry.items()}
+        for i, entry in optim_state["state"].items()
     }
-    set_optimizer_state_dict(model, optimizer, named, options=options)
+    optimizer.load_state_dict({"state": state, "param_groups": optim_state["param_groups"]})
 
 
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Names of the optimizer's parameters in its own order."""
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _own_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full` as `param` is sharded (a view where it can be: the same split
+    on every rank, no communication), or `full` itself for an unsharded parameter."""
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(
+        full, param.device_mesh, param.placements, src_data_rank=None
+    ).to_local()
+
+
+def _sharded_like(value: Any, param: torch.Tensor) -> Any:
+    """An optimizer state entry in this rank's memory: AdamW's moments (the parameter's shape)
+    sharded as the parameter is, anything else (the step count) copied whole."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(param, DTensor) and value.shape == param.shape:
+        mine = _own_slice(value, param).clone()
+        sharded = DTensor.from_local(
+            mine, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+    else:
+        sharded = value.clone()
+    mapped_state.release(value)
+    return sharded

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -80,26 +81,71 @@ def apply_tensor_state(
 
 class _HashingFileSystem(FileSystem):
     """DCP's local file system, hashing every file while DCP writes it (trainer/hashed_write.py):
-    the manifest gets each shard's sha256 without reading the shard back."""
+    the manifest gets each shard's sha256 without reading the shard back.
 
-    def __init__(self) -> None:
+    Failures name their file (DCP itself reports only the exception). A write stream never
+    raises: its first error is kept in `write_errors` with the path and later bytes go nowhere,
+    and `ShardWrite.digests` raises it once DCP is done. DCP runs its extra writer threads
+    without catching anything (an error there would be printed as a traceback and the file
+    left out of a "successful" save), so an error must not escape any of them. Reads raise, with
+    the path in an OSError that had none, and `failed_path` names the file of any other error
+    (a shard that does not unpickle). `before_open` (tests: fault injection) is called with
+    each path before it is opened."""
+
+    def __init__(self, before_open: Callable[[Path], None] | None = None) -> None:
         super().__init__()
         self.digests: dict[str, str] = {}  # file name in dcp/ -> sha256 of what was written
+        self.before_open = before_open or (lambda path: None)
+        self.failed_path: Path | None = None
+        self.write_errors: list[tuple[Path, BaseException]] = []  # from any writer thread
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
+        if "w" in mode:
+            with self._write_stream(Path(path), mode) as stream:
                 yield stream
             return
-        with (
-            super().create_stream(path, mode) as stream,
-            ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") as pool,
-            without_zip_crc32(),
-        ):
-            writer = HashingWriter(stream, pool)
-            yield writer
-        self.digests[Path(path).name] = writer.hexdigest()
+        try:
+            self.before_open(Path(path))
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except OSError as exc:
+            self.failed_path = Path(path)
+            if exc.filename is None:
+                raise OSError(exc.errno, exc.strerror, str(path)) from exc
+            raise
+        except Exception:
+            self.failed_path = Path(path)
+            raise
+
+    @contextlib.contextmanager
+    def _write_stream(self, path: Path, mode: str) -> Iterator[Any]:
+        failed: BaseException | None = None
+        yielded = False
+        try:
+            with contextlib.ExitStack() as stack:
+                try:
+                    self.before_open(path)
+                    stream = stack.enter_context(super().create_stream(path, mode))
+                except OSError as exc:
+                    failed, stream = exc, stack.enter_context(open(os.devnull, "wb"))
+                pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256")
+                stack.enter_context(pool)
+                stack.enter_context(without_zip_crc32())
+                writer = HashingWriter(stream, pool)
+                try:
+                    yielded = True
+                    yield writer
+                except Exception as exc:  # a write or the fsync: DCP goes on, the save fails
+                    failed = failed or writer.error or exc
+        except Exception as exc:  # closing (flushing) the file
+            if not yielded:
+                raise
+            failed = failed or exc
+        if failed is not None:
+            self.write_errors.append((path, failed))
+        else:
+            self.digests[path.name] = writer.hexdigest()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         # DCP writes .metadata.tmp and renames it to .metadata.
@@ -122,6 +168,14 @@ def background_stager() -> DefaultStager:
     return DefaultStager(options)
 
 
+def rank_failures(exc: BaseException) -> dict[int, BaseException]:
+    """The failure of each rank that DCP gathered into a CheckpointException (every rank of a
+    failed `dcp.save`/`dcp.load` gets the same dict); empty for any other exception."""
+    if not isinstance(exc, CheckpointException):
+        return {}
+    return {rank: failure for rank, (failure, _) in exc.failures.items()}
+
+
 class Staged:
     """`wait()` returns once DCP's stager has copied the tensors (an Event's interface)."""
 
@@ -129,15 +183,26 @@ class Staged:
         self._future = future
 
     def wait(self) -> None:
-        with contextlib.suppress(Exception):  # a failed copy surfaces from the write's future
+        # A failed copy surfaces from the write's future; DCP's own CheckpointException is a
+        # BaseException, which `except Exception` would let through.
+        with contextlib.suppress(Exception, CheckpointException):
             self._future.result()
 
 
 class ShardWrite:
-    """This rank's DCP write into `tmp/dcp`, in flight (async, with `stager`) or done (sync)."""
+    """This rank's DCP write into `tmp/dcp`, in flight (async, with `stager`) or done (sync).
+    A failure raises DCP's CheckpointException on every rank (naming each failing rank's error),
+    from the constructor (sync) or from `digests` (async)."""
 
-    def __init__(self, tensors: dict[str, Any], tmp: Path, group: Any, stager: Any) -> None:
-        self._files = _HashingFileSystem()
+    def __init__(
+        self,
+        tensors: dict[str, Any],
+        tmp: Path,
+        group: Any,
+        stager: Any,
+        before_write: Callable[[Path], None] | None = None,
+    ) -> None:
+        self._files = _HashingFileSystem(before_write)
         writer = FileSystemWriter(tmp / DCP_DIR, thread_count=WRITER_THREADS)
         writer.fs = self._files  # what DCP writes goes through the hashing streams
         self._future = None
@@ -151,22 +216,55 @@ class ShardWrite:
         self.staged = Staged(response.staging_completion)
         self._future = response.upload_completion
 
+    @property
+    def failed_path(self) -> Path | None:
+        """The file this rank's write failed on, if it did."""
+        return self._files.failed_path
+
     def digests(self) -> dict[str, str]:
         """Wait for the write; the sha256 of every file this rank wrote (rank 0 also wrote
-        .metadata), by manifest name. DCP has fsynced each file."""
+        .metadata), by manifest name. DCP has fsynced each file. Raises this rank's first write
+        error (an OSError naming the file), or DCP's CheckpointException."""
         if self._future is not None:
             self._future.result()
+        if self._files.write_errors:
+            path, error = self._files.write_errors[0]
+            if isinstance(error, OSError):
+                raise OSError(error.errno, error.strerror, str(path)) from error
+            self._files.failed_path = path
+            raise error
         return {f"{DCP_DIR}/{name}": digest for name, digest in self._files.digests.items()}
 
 
-def read_shards(path: Path, template: dict[str, Any]) -> dict[str, Any]:
+class UnreadableShards(Exception):
+    """`dcp.load` failed on one rank or more: `failures` maps each failing rank to its error,
+    `failed_path` is the file this rank failed on (None when this rank read all of its own)."""
+
+    def __init__(self, failures: dict[int, BaseException], failed_path: Path | None) -> None:
+        super().__init__(f"ranks {sorted(failures)} could not read their shards")
+        self.failures = failures
+        self.failed_path = failed_path
+
+
+def read_shards(
+    path: Path, template: dict[str, Any], before_read: Callable[[Path], None] | None = None
+) -> dict[str, Any]:
     """Fill `template` (from `tensor_state`) from the checkpoint at `path`; each rank reads the
-    parts of the files its own shards need."""
+    parts of the files its own shards need. A collective; UnreadableShards on every rank when
+    any rank fails."""
     group = None if not dist.is_initialized() else dist.group.WORLD
-    stored = FileSystemReader(path / DCP_DIR).read_metadata().state_dict_metadata
-    if not any(key.startswith("optimizer.") for key in stored):  # `import-hf --format sharded`
-        template = {**template, "optimizer": {}}  # weights only
-    dcp.load(template, checkpoint_id=str(path / DCP_DIR), process_group=group)
+    try:
+        stored = FileSystemReader(path / DCP_DIR).read_metadata().state_dict_metadata
+    except Exception:  # unreadable here: dcp.load below fails on this rank, and all ranks agree
+        stored = None
+    if stored is not None and not any(key.startswith("optimizer.") for key in stored):
+        template = {**template, "optimizer": {}}  # `import-hf --format sharded`: weights only
+    reader = FileSystemReader(path / DCP_DIR)
+    reader.fs = files = _HashingFileSystem(before_read)
+    try:
+        dcp.load(template, storage_reader=reader, process_group=group)
+    except CheckpointException as exc:
+        raise UnreadableShards(rank_failures(exc), files.failed_path) from None
     return template
 
 

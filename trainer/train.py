@@ -51,7 +51,7 @@ from trainer.hooks import TrainHooks, hooks_from_env
 from trainer.metrics import Reporter, StepResult
 from trainer.model import RecurrentLM, sample_recurrence
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.rundir import ExitCode, RunDir, RunDirBusy, RunDirUnwritable
+from trainer.rundir import EventKind, ExitCode, RunDir, RunDirBusy, RunDirUnwritable
 
 log = logging.getLogger("trainer")
 
@@ -64,6 +64,9 @@ class StopSignals:
     def __init__(self) -> None:
         self.requested: str | None = None
         self._previous: dict[int, Any] = {}
+        # Records the exit (status.json, an exit event) before a second SIGTERM ends the process
+        # at once: without it status.json would still say running.
+        self.on_abort: Callable[[], None] = lambda: None
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -78,7 +81,10 @@ class StopSignals:
         if self.requested and signum == signal.SIGTERM:
             # The operator insists: no checkpoint, restartable exit code.
             sys.stderr.write(f"{name} again: exiting without a checkpoint\n")
-            os._exit(ExitCode.FAILED)
+            try:
+                self.on_abort()
+            finally:
+                os._exit(ExitCode.FAILED)
         self.requested = name
         sys.stderr.write(f"{name}: stopping after this step and saving a checkpoint\n")
 
@@ -176,28 +182,44 @@ def train(cfg: Config, hooks: TrainHooks | None = None) -> ExitCode:
 
 def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> ExitCode:
     # Everything that can be wrong with the input is checked before the process group forms.
-    world_size = distributed.world_size_from_env()
-    accum_steps = check_world_size(cfg, world_size)
-    on_accelerator = distributed.use_accelerator(cfg.train.device)
-    parallel.check_strategy(cfg, world_size, on_accelerator)
-    train_ds, val_ds = open_data(cfg)
-    set_deterministic(cfg)
-
-    comm_log = comm_path.capture(cfg.run_dir) if on_accelerator else None
-    env = distributed.init(cfg.comm, cfg.train.device)
+    try:
+        world_size = distributed.world_size_from_env()
+        accum_steps = check_world_size(cfg, world_size)
+        on_accelerator = distributed.use_accelerator(cfg.train.device)
+        parallel.check_strategy(cfg, world_size, on_accelerator)
+        train_ds, val_ds = open_data(cfg)
+        set_deterministic(cfg)
+        comm_log = comm_path.capture(cfg.run_dir) if on_accelerator else None
+        env = distributed.init(cfg.comm, cfg.train.device)
+    except BaseException as exc:
+        # Rank 0 (every rank hits the same input) records it in a run directory that rlmctl
+        # made; a trainer started by hand with a wrong path leaves nothing behind.
+        if distributed.rank_from_env() == 0 and RunDir(cfg.run_dir).path.is_dir():
+            if isinstance(exc, UserError) and exc.exit_code in REFUSALS:
+                _record_refusal(RunDir(cfg.run_dir), exc)
+            else:  # the rendezvous failed, a peer missing: restartable
+                code = exc.exit_code if isinstance(exc, UserError) else ExitCode.FAILED
+                with contextlib.suppress(OSError):
+                    RunDir(cfg.run_dir).append_event(
+                        "exit", exit_code=int(code), state="failed", step=None
+                    )
+        raise
     setup_logging(env.rank)
     run_dir = RunDir(cfg.run_dir)
     reporter = Reporter(cfg, env, run_dir)
     run = None
-    state, exit_code = "starting", ExitCode.FAILED
+    state, exit_code, failure = "starting", ExitCode.FAILED, None
     owner = contextlib.ExitStack()  # rank 0 holds the run directory while this process lives
     previous: dict[str, Any] = {}
-    holding = not env.is_main  # a refused start records nothing
+    holding = not env.is_main  # another live trainer's run directory: this one records nothing
     try:
         if env.is_main:
             previous = _own_run_dir(run_dir, cfg, owner)
             holding = True
-        reporter.starting()
+            signals.on_abort = lambda: _record_exit(
+                reporter, run_dir, previous, "failed", ExitCode.FAILED, run, None
+            )
+        reporter.serve_metrics()
         hooks.before_startup_check(env)
         # Also a barrier: the run directory exists before any rank writes into it.
         summary = distributed.startup_check(env, cfg.comm)
@@ -212,14 +234,14 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
         run = Run.build(cfg, env, train_ds, hooks)
         exit_code, state = _loop(run, cfg, env, run_dir, reporter, signals, val_ds, accum_steps)
     except UserError as exc:
-        exit_code, state = exc.exit_code, "failed"
+        exit_code, state, failure = exc.exit_code, "failed", exc
         raise
     except BaseException:
         exit_code, state = ExitCode.FAILED, "failed"
         raise
     finally:
         if holding:
-            _record_exit(reporter, run_dir, previous, state, exit_code, run)
+            _record_exit(reporter, run_dir, previous, state, exit_code, run, failure)
         reporter.close()
         owner.close()
         distributed.shutdown(env, run.ddp_model if run is not None else None)
@@ -243,6 +265,20 @@ def _own_run_dir(run_dir: RunDir, cfg: Config, owner: contextlib.ExitStack) -> d
     return run_dir.read_status()
 
 
+REFUSALS = (ExitCode.BAD_CONFIG, ExitCode.DATA_ERROR)
+
+
+def _record_refusal(run_dir: RunDir, error: UserError) -> None:
+    """A refused start (bad config or checkpoint.resume, data or checkpoints unusable, before
+    the first step): a `start_refused` event with the code and the one-line reason, and the
+    `exit` event every exit appends, without a state. status.json and the run's folded state
+    (`RunDir.state`) stay what the earlier attempt left: nothing was started."""
+    code = int(error.exit_code)
+    with contextlib.suppress(OSError):  # an unwritable directory: the error line is the record
+        run_dir.append_event(EventKind.START_REFUSED, exit_code=code, reason=str(error))
+        run_dir.append_event("exit", exit_code=code, state=None, step=None)
+
+
 def _record_exit(
     reporter: Reporter,
     run_dir: RunDir,
@@ -250,15 +286,24 @@ def _record_exit(
     state: str,
     exit_code: ExitCode,
     run: Run | None,
+    failure: UserError | None,
 ) -> None:
-    """The exit event, and status.json unless this process failed before it started training:
-    then the status an earlier run left (done at step 20, say) stays as it was."""
-    started = reporter.checkpoints is not None
-    if started or previous.get("state") not in ("done", "stopped", "failed"):
+    """The exit event, and status.json once this attempt has written it (`Reporter.starting`,
+    after the checkpoint is loaded). Before that, a refused start records only its refusal, and
+    another failure (a peer missing at the startup check) writes status.json unless an earlier
+    run left it finished: then that status (done at step 20, say) stays as it was."""
+    if not reporter.env.is_main:
+        return
+    if reporter.status_written:
+        reporter.exit(state, exit_code, run.progress.step if run else 0)
+        return
+    if failure is not None and failure.exit_code in REFUSALS:
+        _record_refusal(run_dir, failure)
+        return
+    if previous.get("state") not in ("done", "stopped", "failed"):
         reporter.exit(state, exit_code, run.progress.step if run else 0)
         return
     with contextlib.suppress(OSError):
-        run_dir.write_status(**previous)
         run_dir.append_event("exit", exit_code=int(exit_code), state=state, step=None)
 
 
@@ -318,10 +363,12 @@ class Run:
             broadcast=lambda obj: distributed.broadcast_object(obj, env),
             gather=lambda obj: distributed.gather_objects(obj, env),
             checkpoint_group=distributed.side_group(cfg.comm) if sharded else None,
+            hosts=env.hosts,
         )
         store = CheckpointStore(run_dir, cfg.checkpoint, env.rank, env.world_size, ranks)
         store.tensor_template = self.tensors.tensor_template
         store.read_hook = lambda path: self.hooks.on_checkpoint_read(env.rank, path)
+        store.write_hook = lambda path: self.hooks.on_checkpoint_write(env.rank, path)
         store.phase_hook = lambda phase: self.hooks.on_checkpoint_phase(env.rank, phase)
         constants = {"config": to_dict(cfg), "version": trainer.__version__}
         manager = CheckpointManager(store, cfg.checkpoint.interval_steps, constants)
@@ -355,6 +402,7 @@ def _loop(
     checkpoints = run.checkpoint_manager(cfg, env, run_dir)
     if checkpoints.load():
         log.info("resumed at step %d (%d tokens)", run.progress.step, run.progress.tokens)
+    reporter.starting()  # from here on the start can no longer be refused
     run.wrap(cfg, env)
     peak = (
         peak_flops(env.device, PRECISION_DTYPES[cfg.train.precision]) if env.is_main else (0.0, "")

@@ -18,6 +18,7 @@ from clusterspec.vendors.readings import (
     GpuReading,
     ParseResult,
     ToolError,
+    active,
     number,
     scaled,
     text_or_none,
@@ -37,6 +38,9 @@ AMD_SMI = ("amd-smi", "metric", "--json")
 ROCM_SMI = ("rocm-smi", "--showallinfo", "--showmeminfo", "vram", "--json")
 # Detection order: the current tool before the deprecated one.
 TOOLS = {"amd-smi": AMD_SMI, "rocm-smi": ROCM_SMI}
+# amd-smi metric reports the PCIe replays and XGMI errors itself: no separate counters read.
+COUNTERS: dict = {}
+COUNTER_PARSERS: dict = {}
 KERNEL_LOG = None  # no XID-like kernel messages; RAS errors arrive as ECC counts below
 
 # RAS: any uncorrectable ECC error drains the GPU (judged from the readings, like NVIDIA's ECC).
@@ -60,6 +64,45 @@ def _value(node: Any, *path: str) -> float | None:
     return number(node)
 
 
+# amd-smi metric's violation statuses ("throttle" in ROCm 6.2-6.3, "violation" later) onto the
+# common reasons (readings.CLOCK_EVENT_REASONS): package power tracking is the power cap,
+# socket/HBM/VR thermal limits are thermal slowdown, PROCHOT is a hardware slowdown.
+VIOLATION_REASONS = {
+    "ppt_violation_status": "sw_power_cap",
+    "socket_thermal_violation_status": "hw_thermal_slowdown",
+    "hbm_thermal_violation_status": "hw_thermal_slowdown",
+    "vr_thermal_violation_status": "hw_thermal_slowdown",
+    "prochot_violation_status": "hw_slowdown",
+}
+# The RAS block whose error counts are XGMI (GPU-to-GPU link) errors.
+XGMI_BLOCK = "XGMI_WAFL"
+
+
+def _clock_events(entry: dict) -> dict:
+    statuses = entry.get("violation") or entry.get("throttle")
+    events: dict = {}
+    if isinstance(statuses, dict):
+        for key, reason in VIOLATION_REASONS.items():
+            state = active(statuses.get(key))
+            if state is not None:
+                events[reason] = max(state, events.get(reason, 0.0))
+    power = entry.get("power") if isinstance(entry.get("power"), dict) else {}
+    legacy = {"THROTTLED": 1.0, "UNTHROTTLED": 0.0}.get(power.get("throttle_status"))
+    if "sw_power_cap" not in events and legacy is not None:
+        events["sw_power_cap"] = legacy  # ROCm 6.0-6.1: power throttling only
+    return events
+
+
+def _xgmi_errors(entry: dict) -> dict:
+    block = (entry.get("ecc_blocks") or {}).get(XGMI_BLOCK) if isinstance(entry, dict) else None
+    errors = {}
+    for kind in ("correctable", "uncorrectable"):
+        value = _value(block, kind + "_count")
+        if value is not None:
+            errors[("xgmi", kind + "_errors")] = value
+    return errors
+
+
 def _mib(node: Any, *path: str) -> float | None:
     # amd-smi prints VRAM in "MB" that are MiB (a 192 GiB MI300X reports 196592 MB).
     return scaled(_value(node, *path), MIB)
@@ -79,8 +122,6 @@ def parse_amd_smi(text: str) -> ParseResult:
         if not isinstance(entry, dict) or not isinstance(entry.get("gpu"), int):
             problems.append("amd-smi entry without a GPU index: " + str(entry)[:120])
             continue
-        power_info = entry.get("power") if isinstance(entry.get("power"), dict) else {}
-        throttle = power_info.get("throttle_status")
         temperature = _value(entry, "temperature", "hotspot")
         if temperature is None:
             temperature = _value(entry, "temperature", "edge")
@@ -94,10 +135,13 @@ def parse_amd_smi(text: str) -> ParseResult:
                 memory_used_bytes=_mib(entry, "mem_usage", "used_vram"),
                 memory_total_bytes=_mib(entry, "mem_usage", "total_vram"),
                 temperature_celsius=temperature,
+                memory_temperature_celsius=_value(entry, "temperature", "mem"),
                 power_watts=power,
                 ecc_uncorrected_total=_value(entry, "ecc", "total_uncorrectable_count"),
                 ecc_corrected_total=_value(entry, "ecc", "total_correctable_count"),
-                power_throttled={"THROTTLED": 1.0, "UNTHROTTLED": 0.0}.get(throttle),
+                pcie_replays_total=_value(entry, "pcie", "replay_count"),
+                clock_events=_clock_events(entry),
+                interconnect_errors=_xgmi_errors(entry),
             )
         )
     return ParseResult(gpus, problems)
@@ -119,6 +163,8 @@ ROCM_SMI_KEYS = {
     "vram_total": "VRAM Total Memory (B)",
     "temperature": "Temperature (Sensor junction) (C)",
     "temperature_fallback": "Temperature (Sensor edge) (C)",
+    "memory_temperature": "Temperature (Sensor memory) (C)",
+    "pcie_replays": "PCIe Replay Count",
     "power": "Average Graphics Package Power (W)",
     "power_limit": "Max Graphics Package Power (W)",
     "name": "Card series",
@@ -155,6 +201,8 @@ def parse_rocm_smi(text: str) -> ParseResult:
                 memory_used_bytes=_first(card, key["vram_used"]),
                 memory_total_bytes=_first(card, key["vram_total"]),
                 temperature_celsius=_first(card, key["temperature"], key["temperature_fallback"]),
+                memory_temperature_celsius=_first(card, key["memory_temperature"]),
+                pcie_replays_total=_first(card, key["pcie_replays"]),
                 power_watts=_first(card, key["power"]),
                 power_limit_watts=_first(card, key["power_limit"]),
                 name=text_or_none(card.get(key["name"])),

@@ -66,3 +66,16 @@ def parse(text: str) -> Topology:
         numa=numa,
         weights={(a, b): w for (a, b), w in weights.items() if int(a) < int(b)},
     )
+
+
+def numa_affinity(text: str) -> dict:
+    """GPU -> the NUMA node of the CPUs nearest it, from the "Numa Nodes" block that both
+    `rocm-smi --showtopo` and `--showtoponuma` print: "Numa Affinity" (the node the kernel gives
+    the GPU's CPUs), else "Numa Node". rocm-smi prints an unsigned value: 4294967295 (-1) on a
+    platform without NUMA information, which is left out (no CPUs are nearer than others)."""
+    out = {}
+    for label in ("Numa Node", "Numa Affinity"):  # the later one wins
+        for gpu, node in re.findall(r"GPU\[(\d+)\]\s*: \(Topology\) " + label + r": (\d+)", text):
+            if int(node) < 2**31:
+                out[gpu] = node
+    return out

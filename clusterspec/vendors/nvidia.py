@@ -14,10 +14,13 @@ from clusterspec.vendors import nvidia_topology
 from clusterspec.vendors.readings import (
     MIB,
     GpuReading,
+    LinkCounters,
     ParseResult,
+    active,
     number,
     pci_key,
     scaled,
+    snake,
     text_or_none,
 )
 
@@ -33,7 +36,16 @@ BANDWIDTH_TEST = "all_reduce_perf"  # nccl-tests
 # nvidia-smi --query-gpu fields, in groups: one unknown field fails a whole query ("Field ... is
 # not a valid field to query"), so a field an older driver lacks costs only its own group. Every
 # group starts with `index` so the rows can be joined. clocks_event_reasons.* is the current name
-# (clocks_throttle_reasons.* are deprecated aliases).
+# (clocks_throttle_reasons.* are deprecated aliases). Field names and value formats ("Active",
+# "Not Active", "Yes", "No", "[N/A]") as nvidia-smi 590.48.01 prints them on an H100 80GB HBM3
+# (tests/monitoring/fixtures/README.md says where that recording is).
+CLOCK_EVENT_FIELDS = {  # field -> reason (readings.CLOCK_EVENT_REASONS)
+    "clocks_event_reasons.sw_power_cap": "sw_power_cap",
+    "clocks_event_reasons.hw_slowdown": "hw_slowdown",
+    "clocks_event_reasons.hw_thermal_slowdown": "hw_thermal_slowdown",
+    "clocks_event_reasons.hw_power_brake_slowdown": "hw_power_brake_slowdown",
+    "clocks_event_reasons.sw_thermal_slowdown": "sw_thermal_slowdown",
+}
 QUERY_GROUPS = (
     ("index", "pci.bus_id", "uuid", "serial", "name", "driver_version"),
     (
@@ -46,7 +58,9 @@ QUERY_GROUPS = (
         "enforced.power.limit",
     ),
     ("index", "ecc.errors.uncorrected.volatile.total", "ecc.errors.corrected.volatile.total"),
-    ("index", "clocks_event_reasons.sw_power_cap"),
+    ("index", *CLOCK_EVENT_FIELDS),
+    # HBM temperature and row remapping (Ampere and later): fields an older driver lacks.
+    ("index", "temperature.memory", "remapped_rows.pending", "remapped_rows.failure"),
 )
 FIELDS = tuple(dict.fromkeys(field for group in QUERY_GROUPS for field in group))
 # Marker lines between the groups' outputs (nvidia-smi never prints a line starting with "#").
@@ -54,23 +68,32 @@ GROUP_MARK = "# rlm-query "
 EXIT_MARK = "# rlm-exit "
 
 
-def _grouped_query(groups: tuple) -> tuple:
-    """One command (sh) that runs one nvidia-smi query per group and marks each output; it exits
-    with the first group's status (the one that lists the GPUs)."""
+def _marked(commands: list) -> tuple:
+    """One command (sh) that runs each (mark, command) and marks its output; it exits with the
+    first command's status (the one that lists the GPUs)."""
     parts = []
-    for i, group in enumerate(groups):
-        query = ",".join(group)
+    for i, (mark, command) in enumerate(commands):
         parts.append(
-            "echo '" + GROUP_MARK + query + "'; "
-            "nvidia-smi --query-gpu=" + query + " --format=csv,noheader,nounits 2>&1; "
+            "echo '" + GROUP_MARK + mark + "'; " + command + " 2>&1; "
             "s=$?; echo '" + EXIT_MARK + "'$s" + ("; first=$s" if i == 0 else "")
         )
     return ("sh", "-c", "; ".join(parts) + "; exit $first")
 
 
-NVIDIA_SMI = _grouped_query(QUERY_GROUPS)
+NVIDIA_SMI = _marked(
+    [
+        (
+            ",".join(group),
+            "nvidia-smi --query-gpu=" + ",".join(group) + " --format=csv,noheader,nounits",
+        )
+        for group in QUERY_GROUPS
+    ]
+)
 # Tool name -> the command whose output its parser reads; detection order.
 TOOLS = {"nvidia-smi": NVIDIA_SMI}
+# Link error counters, read less often than TOOLS (nvidia-smi -q is the expensive call): the PCIe
+# replay counter (only in -q's PCI section) and the NVLink error counters per link.
+COUNTERS = {"nvidia-smi": _marked([("query", "nvidia-smi -q"), ("nvlink", "nvidia-smi nvlink -e")])}
 # The kernel ring buffer is where the driver reports XID events (reading it usually needs root).
 KERNEL_LOG = ("dmesg",)
 
@@ -93,7 +116,7 @@ BUSBW_FLOORS_GBPS = {"A100": 228.0, "H100": 460.0, "H200": 480.0}
 
 
 def _sections(text: str, fields: tuple) -> list:
-    """(fields, lines, exit status or None) per query group of the output."""
+    """(mark split at commas, lines, exit status or None) per marked part of the output."""
     if GROUP_MARK not in text:
         return [(fields, text.splitlines(), None)]  # one plain --query-gpu output
     sections: list = []
@@ -138,24 +161,34 @@ def parse_nvidia_smi(text: str, fields: tuple = FIELDS) -> ParseResult:
     return ParseResult(gpus, list(dict.fromkeys(problems)))
 
 
+def _clock_events(values: dict) -> dict:
+    events = {}
+    for field, reason in CLOCK_EVENT_FIELDS.items():
+        alias = field.replace("clocks_event_reasons.", "clocks_throttle_reasons.")
+        state = active(values.get(field, values.get(alias)))
+        if state is not None:
+            events[reason] = state
+    return events
+
+
 def _reading(values: dict) -> GpuReading:
     bus = re.fullmatch(
         r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.\d", values.get("pci.bus_id", "")
     )
-    throttle = values.get(
-        "clocks_event_reasons.sw_power_cap", values.get("clocks_throttle_reasons.sw_power_cap", "")
-    ).lower()
     return GpuReading(
         gpu=values["index"],
         utilization_ratio=scaled(number(values.get("utilization.gpu")), 0.01),
         memory_used_bytes=scaled(number(values.get("memory.used")), MIB),
         memory_total_bytes=scaled(number(values.get("memory.total")), MIB),
         temperature_celsius=number(values.get("temperature.gpu")),
+        memory_temperature_celsius=number(values.get("temperature.memory")),
         power_watts=number(values.get("power.draw")),
         power_limit_watts=number(values.get("enforced.power.limit")),
         ecc_uncorrected_total=number(values.get("ecc.errors.uncorrected.volatile.total")),
         ecc_corrected_total=number(values.get("ecc.errors.corrected.volatile.total")),
-        power_throttled={"active": 1.0, "not active": 0.0}.get(throttle),
+        row_remap_pending=active(values.get("remapped_rows.pending")),
+        row_remap_failed=active(values.get("remapped_rows.failure")),
+        clock_events=_clock_events(values),
         name=text_or_none(values.get("name")),
         driver=text_or_none(values.get("driver_version")),
         uuid=text_or_none(values.get("uuid")),
@@ -165,6 +198,77 @@ def _reading(values: dict) -> GpuReading:
 
 
 PARSERS = {"nvidia-smi": parse_nvidia_smi}
+
+# `nvidia-smi -q`: "GPU 00000000:18:00.0" opens a GPU's block; its PCI section holds
+# "        Replays Since Reset                            : 9".
+_Q_GPU_RE = re.compile(r"^GPU ([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.\d\s*$")
+_Q_REPLAYS_RE = re.compile(r"^\s+Replays Since Reset\s*:\s*(.+?)\s*$")
+# `nvidia-smi nvlink -e`: "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-...)" then per link
+# "         Link 0: Replay Errors: 0" (newer drivers print more counters the same way).
+_NVLINK_GPU_RE = re.compile(r"^GPU \d+: .*\(UUID: ([^)]+)\)")
+_NVLINK_COUNTER_RE = re.compile(r"^\s+Link (\d+): ([A-Za-z][A-Za-z -]*?): (\S+)\s*$")
+
+
+def parse_pcie_replays(text: str) -> tuple:
+    """({(domain, bus, device): replays}, problems) from `nvidia-smi -q`."""
+    replays, problems, bus = {}, [], None
+    for line in text.splitlines():
+        header = _Q_GPU_RE.match(line)
+        if header:
+            bus = pci_key(*header.groups())
+            continue
+        match = _Q_REPLAYS_RE.match(line)
+        if match and bus is not None:
+            value = number(match.group(1))
+            if value is None:
+                problems.append("unreadable nvidia-smi -q replay count: " + line.strip()[:120])
+            else:
+                replays[bus] = value
+    return replays, problems
+
+
+def parse_nvlink_errors(text: str) -> tuple:
+    """({uuid: {(link, counter): value}}, problems) from `nvidia-smi nvlink -e`."""
+    errors: dict = {}
+    problems: list = []
+    uuid = None
+    for line in text.splitlines():
+        header = _NVLINK_GPU_RE.match(line)
+        if header:
+            uuid = header.group(1).strip()
+            errors.setdefault(uuid, {})
+            continue
+        match = _NVLINK_COUNTER_RE.match(line)
+        if match and uuid is not None:
+            value = number(match.group(3))
+            if value is not None:
+                errors[uuid][(match.group(1), snake(match.group(2)))] = value
+        elif line.strip() and uuid is None:
+            problems.append("unreadable nvidia-smi nvlink line: " + line.strip()[:120])
+    return errors, problems
+
+
+def parse_link_counters(text: str) -> LinkCounters:
+    """The COUNTERS output: -q's PCIe replays and nvlink -e's error counters. A part that failed
+    (a driver without NVLink support says so and exits non-zero) is a problem, not an error."""
+    counters = LinkCounters()
+    for mark, lines, status in _sections(text, ("query",)):
+        body = "\n".join(lines)
+        if status:
+            first = next((line.strip() for line in lines if line.strip()), "no output")
+            counters.problems.append(
+                "nvidia-smi " + mark[0] + " exited " + str(status) + ": " + first[:120]
+            )
+            continue
+        if mark[0] == "query":
+            counters.pcie_replays, problems = parse_pcie_replays(body)
+        else:
+            counters.interconnect_errors, problems = parse_nvlink_errors(body)
+        counters.problems += problems
+    return counters
+
+
+COUNTER_PARSERS = {"nvidia-smi": parse_link_counters}
 
 
 def xid_events(kernel_log: str) -> dict[tuple[int, int, int], list[tuple[int, str]]]:

@@ -29,6 +29,7 @@ GPU_LINKS = {
 }
 
 _DEVICE = re.compile(r"(GPU\d+|NIC\d+|mlx\d+_\d+|[a-z]+\d+_\d+)$")
+_CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
 def parse(text: str) -> Topology:
@@ -44,10 +45,15 @@ def parse(text: str) -> Topology:
             break  # CPU Affinity, NUMA Affinity, GPU NUMA ID
         columns.append(word)
     legend = dict(re.findall(r"^\s*(NIC\d+):\s*(\S+)\s*$", text, re.M))
+    # After the devices: CPU Affinity, then NUMA Affinity (older drivers: NUMA, or nothing),
+    # then GPU NUMA ID. Run inside a cpuset (a Slurm job), the CPU Affinity of a GPU whose CPUs
+    # are all outside it is printed empty: its row is one cell short.
+    trailing = _trailing_columns(lines[header_at][lines[header_at].index(columns[-1]) :])
     gpus = [c[3:] for c in columns if c.startswith("GPU")]
     links: dict = {}
     nic_paths: dict = {}
     numa: dict = {}
+    cpu_affinity: dict = {}
     for line in lines[header_at + 1 :]:
         words = line.split()
         if not words or not re.fullmatch(r"GPU\d+", words[0]):
@@ -66,11 +72,27 @@ def parse(text: str) -> Topology:
             else:
                 nic_paths.setdefault(legend.get(column, column), {})[gpu] = cell
         rest = cells[len(columns) :]
-        if len(rest) >= 2 and rest[1].isdigit():
-            numa[gpu] = rest[1]
+        named = trailing[len(trailing) - len(rest) :] if len(rest) < len(trailing) else trailing
+        values = dict(zip(named, rest))
+        if _CPU_LIST.fullmatch(values.get("cpu", "")):
+            cpu_affinity[gpu] = values["cpu"]
+        if values.get("numa", "").isdigit():
+            numa[gpu] = values["numa"]
     if not gpus or (not links and len(gpus) > 1):
         raise ToolError("nvidia-smi topo -m printed no GPU rows")
-    return Topology(gpus=gpus, links=links, nic_paths=nic_paths, numa=numa)
+    return Topology(
+        gpus=gpus, links=links, nic_paths=nic_paths, numa=numa, cpu_affinity=cpu_affinity
+    )
+
+
+def _trailing_columns(header_tail: str) -> list:
+    """The kinds of the columns after the device columns, in order: "cpu", "numa", "gpu_numa"."""
+    out = []
+    for name, kind in (("CPU Affinity", "cpu"), ("NUMA", "numa"), ("GPU NUMA ID", "gpu_numa")):
+        at = header_tail.find(name)
+        if at >= 0 and not (kind == "numa" and header_tail[at:].startswith("NUMA ID")):
+            out.append((at, kind))
+    return [kind for _, kind in sorted(out)]
 
 
 def _rank(cell: str) -> int:

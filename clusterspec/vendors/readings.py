@@ -18,6 +18,18 @@ class ToolError(Exception):
     """The tool could not be run, timed out, failed, or printed something we cannot read."""
 
 
+# Why a GPU's clocks are held back, in one vocabulary for every vendor (NVIDIA's clocks event
+# reasons; AMD's violation statuses map onto them): the label `reason` of rlm_gpu_clock_event.
+# At full load a GPU sits at its power cap by design (sw_power_cap); the others are faults.
+CLOCK_EVENT_REASONS = (
+    "sw_power_cap",
+    "hw_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "sw_thermal_slowdown",
+)
+
+
 @dataclass
 class GpuReading:
     gpu: str  # index as the vendor tool numbers it
@@ -25,11 +37,17 @@ class GpuReading:
     memory_used_bytes: float | None = None
     memory_total_bytes: float | None = None
     temperature_celsius: float | None = None
+    memory_temperature_celsius: float | None = None  # HBM
     power_watts: float | None = None
     power_limit_watts: float | None = None
     ecc_uncorrected_total: float | None = None
     ecc_corrected_total: float | None = None
-    power_throttled: float | None = None
+    row_remap_pending: float | None = None  # 1 while a remapped row waits for a GPU reset
+    row_remap_failed: float | None = None  # 1 once a row remap has failed: the GPU is done
+    pcie_replays_total: float | None = None
+    clock_events: dict = field(default_factory=dict)  # reason -> 1 active / 0 not
+    # (link, counter) -> errors since the driver loaded: NVLink per link, XGMI
+    interconnect_errors: dict = field(default_factory=dict)
     name: str | None = None  # product name (the SKU the peak/floor tables are keyed by)
     driver: str | None = None
     uuid: str | None = None  # stable identity: the index can change after a GPU falls off
@@ -41,6 +59,16 @@ class GpuReading:
 class ParseResult:
     gpus: list[GpuReading]
     problems: list[str]  # rows or GPUs that could not be read; the rest is still usable
+
+
+@dataclass
+class LinkCounters:
+    """Link error counters read on their own, less often (vendor COUNTERS): PCIe replays per GPU
+    PCI address, interconnect errors per GPU UUID and (link, counter)."""
+
+    pcie_replays: dict = field(default_factory=dict)  # (domain, bus, device) -> replays
+    interconnect_errors: dict = field(default_factory=dict)  # uuid -> {(link, counter): errors}
+    problems: list = field(default_factory=list)
 
 
 def number(text: Any) -> float | None:
@@ -62,6 +90,18 @@ def scaled(value: float | None, factor: float) -> float | None:
 
 def pci_key(domain: str, bus: str, device: str) -> tuple[int, int, int]:
     return int(domain, 16), int(bus, 16), int(device, 16)
+
+
+def active(text: Any) -> float | None:
+    """1.0 / 0.0 for the tools' "Active"/"Not Active", "Yes"/"No", "ACTIVE"/"NOT ACTIVE"."""
+    if not isinstance(text, str):
+        return None
+    return {"active": 1.0, "not active": 0.0, "yes": 1.0, "no": 0.0}.get(text.strip().lower())
+
+
+def snake(name: str) -> str:
+    """ "Replay Errors" -> "replay_errors": a tool's counter name as a label value."""
+    return "_".join(name.lower().replace("-", " ").split())
 
 
 def text_or_none(value: Any) -> str | None:

@@ -33,6 +33,8 @@ class Topology:
     links: dict[tuple[str, str], str]  # (a, b) with a before b -> link as printed: NV18, SYS, XGMI
     nic_paths: dict[str, dict[str, str]] = field(default_factory=dict)  # NIC -> GPU -> path
     numa: dict[str, str] = field(default_factory=dict)  # GPU -> NUMA node, where printed
+    # GPU -> the CPUs near it as printed ("0-55,112-167"), where printed (nvidia-smi's CPU Affinity)
+    cpu_affinity: dict[str, str] = field(default_factory=dict)
     weights: dict[tuple[str, str], int] = field(default_factory=dict)  # (a, b): rocm-smi weight
 
     def as_dict(self) -> dict:
@@ -41,6 +43,7 @@ class Topology:
             "links": {f"{a}-{b}": link for (a, b), link in sorted(self.links.items())},
             "nic_paths": self.nic_paths,
             "numa": self.numa,
+            "cpu_affinity": self.cpu_affinity,
             "weights": {f"{a}-{b}": w for (a, b), w in sorted(self.weights.items())},
         }
 

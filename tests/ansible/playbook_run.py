@@ -96,6 +96,7 @@ def run_playbook(
     *,
     check: bool = False,
     tags: str | None = None,
+    limit: str | None = None,
     extra_vars: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 600,
@@ -106,6 +107,8 @@ def run_playbook(
         argv += ["--check", "--diff"]
     if tags:
         argv += ["--tags", tags]
+    if limit:
+        argv += ["--limit", limit]
     if extra_vars:
         vars_file = work_dir / "extra-vars.json"
         vars_file.write_text(json.dumps(extra_vars))

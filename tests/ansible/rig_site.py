@@ -79,6 +79,7 @@ def site_inventory(rig: Rig, wheelhouse: Path, stack: Path) -> dict[str, Any]:
         {
             "rlm_venv": VENV,
             "rlm_shared_fs": "none",
+            "rlm_alert_allow_no_receiver": True,
             "rlm_operator_keys": [public_key],
             "rlm_wheelhouse": str(wheelhouse),
             "trainer_env_torch_source": "site",

@@ -124,6 +124,8 @@ def site_inventory(rig: Rig, wheelhouse: Path, stacks: dict[str, Path]) -> dict[
                 "rlm_gpu_vendor": "none",
                 "rlm_gpus_per_node": 1,
                 "rlm_shared_fs": "none",
+                # No receiver (test_site_systemd's alerting section sets its own).
+                "rlm_alert_allow_no_receiver": True,
                 "rlm_shared_dir": str(rig.shared_dir),
                 "rlm_venv": VENV,
                 "rlm_operator_keys": [public_key],

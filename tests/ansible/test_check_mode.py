@@ -80,6 +80,7 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> PlaybookRun:
             },
             "vars": {
                 "rlm_shared_fs": "none",
+                "rlm_alert_allow_no_receiver": True,
                 "rlm_gpus_per_node": 8,
                 "rlm_lustre_mgs_nids": ["127.0.0.1@tcp"],
                 "rlm_shared_dir": str(work / "lustre"),
@@ -271,6 +272,7 @@ def test_hosts_without_a_gpu_plan_the_gpu_and_comm_plays_without_vendor_facts(
         "ansible_python_interpreter": sys.executable,
         "rlm_gpu_vendor": "none",
         "rlm_shared_fs": "none",
+        "rlm_alert_allow_no_receiver": True,
     }
     inventory = {
         "all": {"children": {"mgmt": {"hosts": {"m1": host}}, "compute": {"hosts": {"c1": host}}}}

@@ -4,6 +4,7 @@ is blocked), the trainer venv, node_exporter, rlm-exporter, Prometheus and Alert
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Iterator
@@ -111,17 +112,25 @@ def test_exporters_prometheus_and_alertmanager_answer(
     applied: tuple[Rig, PlaybookRun, PlaybookRun],
 ) -> None:
     rig, _, _ = applied
-    fetch = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+    fetch = (
+        "import sys, urllib.request; r = urllib.request.Request(sys.argv[1]); "
+        "sys.argv[2:] and r.add_header('Authorization', 'Basic ' + sys.argv[2]); "
+        "print(urllib.request.urlopen(r, timeout=5).read().decode())"
+    )
 
-    def get(host: str, url: str) -> str:
-        return rig.exec(host, ["/usr/bin/python3", "-c", fetch, url]).stdout
+    def get(host: str, url: str, *login: str) -> str:
+        return rig.exec(host, ["/usr/bin/python3", "-c", fetch, url, *login]).stdout
 
     for host in rig.hosts:
         assert "node_cpu_seconds_total" in get("node1", f"http://{host.ip}:9100/metrics")
         assert "rlm_exporter" in get("node1", f"http://{host.ip}:9410/metrics")
-    assert "Ready" in get("node1", "http://127.0.0.1:9090/-/ready")
-    assert "OK" in get("node1", "http://127.0.0.1:9093/-/ready")
-    rules = json.loads(get("node1", "http://127.0.0.1:9090/api/v1/rules"))
+    # On the mgmt host's address, with the login the roles generated (the clients' password file).
+    password = (rig.host("node1").root / "etc/prometheus/rlm/web/password").read_text()
+    login = base64.b64encode(f"rlm-ops:{password}".encode()).decode()
+    mgmt = rig.host("node1").ip
+    assert "Ready" in get("node1", f"http://{mgmt}:9090/-/ready", login)
+    assert "OK" in get("node1", f"http://{mgmt}:9093/-/ready", login)
+    rules = json.loads(get("node1", f"http://{mgmt}:9090/api/v1/rules", login))
     assert rules["data"]["groups"], "Prometheus loaded no rule groups"
     targets = rig.host("node1").root / "etc/prometheus/rlm/targets/node.json"
     assert {g["labels"]["host"] for g in json.loads(targets.read_text())} == {

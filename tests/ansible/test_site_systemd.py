@@ -13,7 +13,11 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +25,13 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from rlmctl import hostproc
+from rlmctl import accept, hostproc
 from rlmctl.backend_ssh import host_start_config
 from rlmctl.inventory import load as load_inventory
 from tests.ansible.playbook_run import PlaybookRun, run_playbook, write_inventory
 from tests.ansible.rig_site import connect, connect_from_real_host
 from tests.ansible.systemd_site import SLICE_LIMITS, build_offline_stacks, site_inventory
+from tests.monitoring import alerting_site
 from tests.rig import Rig
 from tests.test_rig_systemd import systemd_unavailable
 from trainer.rundir import RunDir
@@ -320,3 +325,165 @@ def test_after_a_reboot_units_firewall_and_sysctls_are_back(site: Site) -> None:
     print(f"\n{len(rig.hosts)} nodes rebooted together in {time.monotonic() - started:.1f}s")
     assert_units_up(rig)
     assert_firewall_and_sysctls_in_force(rig)
+
+
+# =================================================================================================
+# Alerting end to end (issue 23) on the nodes above: the roles' own Prometheus, Alertmanager and
+# rlm-exporter (units, users, sandbox, login, addresses), one more monitoring.yml run that sets
+# receivers and a GPU host (tests/monitoring/alerting_site.py), durations divided by SCALE, then
+# the faults an on-call engineer is paged for. Self-contained: only `site` is shared.
+# =================================================================================================
+ALERT_MGMT, GPU_HOST, QUIET_HOST = "node1", "node2", "node3"  # bookworm: mgmt, compute, compute
+DELIVERY_S = alerting_site.DELIVERY_S
+
+
+@pytest.fixture(scope="module")
+def alerting(site: Site) -> Iterator[alerting_site.Alerting]:
+    assert site.first.rc == 0
+    rig = site.rig
+    data = rig.shared_dir / "alerting-data"
+    prepare_data = subprocess.Popen(
+        [sys.executable, "-m", "trainer", "prepare", "--out", str(data)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    ctx = alerting_site.prepare(rig, site.inventory, ALERT_MGMT, GPU_HOST)
+    try:
+        assert ctx.deployed.rc == 0, {h: ctx.deployed.failures(h) for h in (ALERT_MGMT, GPU_HOST)}
+        _, err = prepare_data.communicate(timeout=600)
+        assert prepare_data.returncode == 0, err.decode()[-500:]
+        ctx.hostproc = alerting_site.copy_hostproc(rig.shared_dir)
+        ctx.trainer = alerting_site.start_trainer(rig, ctx.inventory, GPU_HOST, data, ctx.hostproc)
+        yield ctx
+    finally:
+        prepare_data.kill()
+        alerting_site.stop_trainer(ctx)
+        ctx.webhook.close()
+
+
+def test_monitoring_listens_on_the_cluster_address_and_answers_only_a_login(site: Site) -> None:
+    """Closed by default: node_exporter, Prometheus and Alertmanager bind the node's own address,
+    not every address; without the generated login nobody gets an answer, a compute node not
+    even a connection; the login is in the inventory's group_vars, where rlmctl reads it."""
+    assert site.first.rc == 0
+    rig = site.rig
+    for host in rig.hosts:
+        listening = rig.exec(host, "ss -Hltn").stdout.split("\n")
+        local = {line.split()[3] for line in listening if line.strip()}
+        assert f"{host.ip}:9100" in local and "*:9100" not in local, (host.name, local)
+        if host.name in MGMT:
+            assert {f"{host.ip}:9090", f"{host.ip}:9093"} <= local, (host.name, local)
+            assert not local & {"*:9090", "0.0.0.0:9090", "*:9093", "0.0.0.0:9093"}
+    mgmt = rig.host(ALERT_MGMT)
+    login = alerting_site.credentials(site.inventory)
+    credentials_file = site.inventory.parent / "group_vars/all/rlm-monitoring-credentials.yml"
+    assert credentials_file.stat().st_mode & 0o777 == 0o600
+    for port, path in ((9090, "/api/v1/status/buildinfo"), (9093, "/api/v2/status")):
+        url = f"http://{mgmt.ip}:{port}{path}"
+        assert http_status(url) == 401  # the controller, in rlm_admin_sources, without the login
+        assert http_status(url, ("rlm-ops", "wrong")) == 401
+        assert http_status(url, login) == 200
+        # The mgmt host itself without the login; a compute node gets no connection at all.
+        assert "401" in rig.exec(ALERT_MGMT, ["/usr/bin/python3", "-c", STATUS, url]).stdout
+        assert connect(rig, QUIET_HOST, mgmt.ip, port) == "TimeoutError"
+    # rlmctl reads the same login from the inventory; accept's Prometheus client uses it.
+    host = load_inventory(site.inventory).hosts[ALERT_MGMT]
+    assert (host.monitoring_username, host.monitoring_password) == login
+    api = accept.PrometheusAPI(f"http://{mgmt.ip}:9090", None, *login)
+    assert accept.prom_query(api, "up{job='prometheus'}")[0]["value"][1] == "1"
+
+
+# Prints the HTTP status of a GET (no login): run inside a node.
+STATUS = (
+    "import sys, urllib.error, urllib.request\n"
+    "try:\n"
+    "    print(urllib.request.urlopen(sys.argv[1], timeout=5).status)\n"
+    "except urllib.error.HTTPError as error:\n"
+    "    print(error.code)\n"
+)
+
+
+def http_status(url: str, login: tuple[str, str] | None = None) -> int:
+    request = urllib.request.Request(url)
+    if login:
+        token = base64.b64encode(":".join(login).encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def report(timing: alerting_site.Timing) -> None:
+    resolved = f"{timing.resolved_s:.1f} s" if timing.resolved_s is not None else "-"
+    print(
+        f"\n{timing.alert}: fault -> page {timing.page_s:.1f} s, recovery -> resolved {resolved}"
+        f" (durations / {alerting_site.SCALE})"
+    )
+
+
+def test_an_xid_in_the_real_kernel_log_is_read_by_the_sandboxed_exporter_and_pages(
+    alerting: alerting_site.Alerting,
+) -> None:
+    rig, node = alerting.rig, alerting.gpu_host
+    # Reproduced: the exporter's user cannot read the kernel log (kernel.dmesg_restrict=1)...
+    refused = rig.exec(node, ["runuser", "-u", "rlm-exporter", "--", "dmesg"], check=False)
+    assert refused.returncode != 0 and "Operation not permitted" in refused.stderr, refused
+    # ... its unit keeps CAP_SYSLOG alone, sandboxed, unprivileged.
+    unit = show(rig, node, "rlm-exporter", "User", "AmbientCapabilities", "CapabilityBoundingSet")
+    assert unit == {
+        "User": "rlm-exporter",
+        "AmbientCapabilities": "cap_syslog",
+        "CapabilityBoundingSet": "cap_syslog",
+    }, unit
+    xid = f'rlm_gpu_xid_errors_total{{host="{node}", pci_bus="0000:5d:00", xid="79"}}'
+    before = alerting_site.wait(
+        lambda: alerting.prometheus.query(xid), DELIVERY_S, f"{xid} from the earlier line"
+    )
+    up = f'rlm_exporter_source_up{{host="{node}", source="dmesg"}}'
+    assert alerting.prometheus.query(up)[0]["value"][1] == "1"
+    timing = alerting_site.xid_in_the_kernel_log(alerting)
+    after = float(alerting.prometheus.query(xid)[0]["value"][1])
+    assert after == float(before[0]["value"][1]) + 1  # the line written through /dev/kmsg
+    assert timing.labels["severity"] == "critical" and timing.labels["gpu"] == "3"
+    report(timing)
+
+
+def test_a_lost_gpu_pages_and_its_return_resolves(alerting: alerting_site.Alerting) -> None:
+    timing = alerting_site.lost_gpu(alerting)
+    assert timing.labels["severity"] == "critical"
+    assert timing.labels.get("run") == alerting_site.RUN  # the host's run, joined on
+    report(timing)
+
+
+def test_a_stalled_trainer_pages_and_its_recovery_resolves(
+    alerting: alerting_site.Alerting,
+) -> None:
+    timing = alerting_site.stalled_trainer(alerting)
+    assert timing.labels["severity"] == "critical"
+    report(timing)
+
+
+def test_a_failed_run_pages_and_its_resume_resolves(alerting: alerting_site.Alerting) -> None:
+    timing = alerting_site.failed_run(alerting)
+    assert timing.labels["severity"] == "critical"
+    report(timing)
+
+
+def test_a_stopped_exporter_pages_and_its_restart_resolves(
+    alerting: alerting_site.Alerting,
+) -> None:
+    timing = alerting_site.stopped_exporter(alerting, QUIET_HOST)
+    assert timing.labels["severity"] == "warning"
+    report(timing)
+
+
+def test_the_watchdog_posts_every_five_minutes_scaled(alerting: alerting_site.Alerting) -> None:
+    """The shipped Watchdog route, every duration / SCALE: a post every 10 s (+-1 s, the shipped
+    5 min +-30 s, plus this machine's unscaled scheduling delay), measured at the dead-man's
+    switch URL. The route shipped before skipped flushes: 20 s gaps."""
+    period, tolerance = 300 / alerting_site.SCALE, alerting_site.WATCHDOG_TOLERANCE_S
+    gaps = alerting_site.watchdog_gaps(alerting)
+    print(f"\nWatchdog: {len(gaps)} gaps {min(gaps):.2f}-{max(gaps):.2f} s (expected {period:g} s)")
+    assert all(abs(gap - period) <= tolerance for gap in gaps), gaps

@@ -22,6 +22,8 @@ UBUNTU_NOBLE = {
 # The GPUs' driver counts as loaded where its module directory exists (here: /sys/module/kernel).
 LOADED = {"gpu_detect_module_dirs": {"amd": "/sys/module/kernel", "nvidia": "/sys/module/kernel"}}
 NO_GPU = {"rlm_gpu_vendor": "none"}
+# These sites deploy Alertmanager with no receiver on purpose (preflight refuses it otherwise).
+NO_ALERTS = {"rlm_alert_allow_no_receiver": True}
 BAD_HOSTS = {
     "bad_vendor": ({"rlm_gpu_vendor": "intel"}, "unknown GPU vendor rlm_gpu_vendor=intel"),
     "bad_rocm_kernel": (
@@ -78,7 +80,7 @@ def test_bad_variables_fail_before_any_change(tmp_path: Path) -> None:
     inventory = {
         "all": {
             "children": {"mgmt": {"hosts": {"good": None}}, "compute": {"hosts": hosts}},
-            "vars": {**UBUNTU_NOBLE, "rlm_gpus_per_node": 8, "rlm_shared_fs": "none"},
+            "vars": {**UBUNTU_NOBLE, "rlm_gpus_per_node": 8, "rlm_shared_fs": "none", **NO_ALERTS},
         }
     }
     run = run_playbook(
@@ -124,7 +126,7 @@ def test_the_validate_tag_runs_the_checks_inside_every_gpu_role(tmp_path: Path) 
     inventory = {
         "all": {
             "children": {"mgmt": {"hosts": {"amd": None}}, "compute": {"hosts": hosts}},
-            "vars": {**UBUNTU_NOBLE, "rlm_gpus_per_node": 8, "rlm_shared_fs": "none"},
+            "vars": {**UBUNTU_NOBLE, "rlm_gpus_per_node": 8, "rlm_shared_fs": "none", **NO_ALERTS},
         }
     }
     run = run_playbook(
@@ -171,7 +173,12 @@ def test_preflight_refuses_a_lockout_firewall_and_the_placeholder_key(tmp_path: 
     inventory = {
         "all": {
             "children": {"mgmt": {"hosts": {"good": None}}, "compute": {"hosts": hosts}},
-            "vars": {"rlm_gpu_vendor": "none", "rlm_gpus_per_node": 0, "rlm_shared_fs": "none"},
+            "vars": {
+                "rlm_gpu_vendor": "none",
+                "rlm_gpus_per_node": 0,
+                "rlm_shared_fs": "none",
+                **NO_ALERTS,
+            },
         }
     }
     run = run_playbook(
@@ -242,7 +249,12 @@ def test_preflight_refuses_half_a_tls_setting_and_a_password_in_place_of_a_hash(
     inventory = {
         "all": {
             "children": {"mgmt": {"hosts": hosts}},
-            "vars": {"rlm_gpu_vendor": "none", "rlm_gpus_per_node": 0, "rlm_shared_fs": "none"},
+            "vars": {
+                "rlm_gpu_vendor": "none",
+                "rlm_gpus_per_node": 0,
+                "rlm_shared_fs": "none",
+                **NO_ALERTS,
+            },
         }
     }
     run = run_playbook(

@@ -82,6 +82,16 @@ ALERTMANAGER = Daemon(
     ("versionInfo", "version"),
 )
 DAEMONS = (NODE_EXPORTER, PROMETHEUS, ALERTMANAGER)
+# Versions only: the daemons on loopback with no login and no receiver (the defaults, the cluster
+# address and a login, are tested in test_site_systemd.py).
+MONITORING_ON_LOOPBACK = {
+    "node_exporter_listen": "127.0.0.1:9100",
+    "prometheus_listen": "127.0.0.1:9090",
+    "alertmanager_listen": "127.0.0.1:9093",
+    "prometheus_alertmanager_target": "127.0.0.1:9093",
+    "rlm_monitoring_basic_auth": False,
+    "rlm_alert_allow_no_receiver": True,
+}
 # What the mirror must carry besides the daemons' own packages: trixie's prometheus depends on
 # promtool, which bookworm's prometheus contains.
 MIRROR_EXTRA = ("promtool",)
@@ -205,7 +215,8 @@ def test_a_version_bump_installs_the_new_versions_and_restarts_on_them(node: Nod
     )
 
     def apply(versions: dict[Daemon, str]) -> PlaybookRun:
-        return node.apply(playbook, {daemon.variable: v for daemon, v in versions.items()})
+        pins = {daemon.variable: v for daemon, v in versions.items()}
+        return node.apply(playbook, {**MONITORING_ON_LOOPBACK, **pins})
 
     node.sh("apt-get update -qq")  # what the base play (roles/common) does first in site.yml
     first = apply(old)

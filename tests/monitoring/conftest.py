@@ -38,9 +38,14 @@ STANDIN_NVIDIA_SMI = Path(__file__).parent / "nvidia_smi_standin.py"
 
 
 def printing_nvidia(fixture: str, exit_code: int = 0, reject: tuple[str, ...] = ()) -> str:
-    """nvidia-smi answering each --query-gpu from a recording (see nvidia_smi_standin.py);
-    `reject` names fields this stand-in's driver does not know."""
+    """nvidia-smi answering each --query-gpu from a recording (see nvidia_smi_standin.py), and
+    `-q` and `nvlink -e` from the 8-GPU ones; `reject` names fields this stand-in's driver does
+    not know."""
     options = [f"--exit {exit_code}", *(f"--reject {field}" for field in reject)]
+    options += [
+        f"--full-query '{FIXTURES / 'nvidia-smi-q-8gpu.txt'}'",
+        f"--nvlink '{FIXTURES / 'nvidia-smi-nvlink-e-8gpu.txt'}'",
+    ]
     return (
         f"exec '{sys.executable}' '{STANDIN_NVIDIA_SMI}' '{FIXTURES / fixture}' "
         f'{" ".join(options)} -- "$@"'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -113,6 +114,20 @@ def test_every_alert_has_a_firing_and_a_silent_unit_test() -> None:
     assert names - firing == set(), "alerts without a test where they fire"
     # Watchdog exists to fire always: it has no case where it must not.
     assert names - silent == {"Watchdog"}, "alerts without a test where they must not fire"
+
+
+def test_every_critical_meta_alert_waits_out_a_blip() -> None:
+    """A critical alert about the monitoring itself pages on a failure that lasts, not on one
+    failed evaluation or notification (the blip cases in tests/meta.yml time each `for:`)."""
+    meta = yaml.safe_load((MONITORING / "prometheus" / "rules" / "meta.yml").read_text())
+    critical = [
+        rule
+        for group in meta["groups"]
+        for rule in group["rules"]
+        if rule.get("labels", {}).get("severity") == "critical"
+    ]
+    assert len(critical) >= 5
+    assert [r["alert"] for r in critical if not r.get("for")] == []
 
 
 def write_inventory(path: Path) -> Path:
@@ -345,3 +360,123 @@ def test_incomplete_receiver_settings_are_one_line_errors(tmp_path, monkeypatch,
     assert result.stderr.count("\n") == 1 and named in result.stderr
     assert not (tmp_path / "alertmanager.yml").exists()
     assert "hooks.slack.com" not in result.stderr  # no secret in the message
+
+
+def test_site_refuses_an_alertmanager_without_receiver_before_any_change(tmp_path: Path) -> None:
+    """An Alertmanager with no receiver accepts every alert and delivers none (amtool passes it):
+    preflight names the variables on the mgmt host that has none; a Watchdog URL alone does not
+    count; a receiver or the explicit opt-out passes."""
+    from tests.ansible.playbook_run import run_playbook, write_inventory
+
+    local = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "ansible_host": "127.0.0.1",
+    }
+    hosts = {
+        "silent": local,
+        "watchdog_only": {**local, "rlm_alert_watchdog_url": "https://deadman.example.org/p/1"},
+        "webhook": {**local, "rlm_alert_webhook_url": "http://10.0.0.1:8080/alerts"},
+        "opted_out": {**local, "rlm_alert_allow_no_receiver": True},
+    }
+    inventory = {
+        "all": {
+            "children": {"mgmt": {"hosts": hosts}},
+            "vars": {"rlm_gpu_vendor": "none", "rlm_gpus_per_node": 0, "rlm_shared_fs": "none"},
+        }
+    }
+    run = run_playbook(
+        "preflight.yml", write_inventory(tmp_path / "hosts.yml", inventory), tmp_path, check=True
+    )
+    assert run.rc != 0
+    for host in ("silent", "watchdog_only"):
+        [failure] = run.failures(host)
+        assert failure.count("\n") == 0, failure
+        assert (
+            f"Alertmanager on {host} would deliver alerts to no one: set rlm_alert_webhook_url, "
+            "rlm_alert_slack_api_url, rlm_alert_email_to or rlm_alert_pagerduty_routing_key"
+        ) in failure
+        assert "rlm_alert_allow_no_receiver: true" in failure
+    for host in ("webhook", "opted_out"):
+        assert run.ran(host, "Check Alertmanager has a receiver for critical and warning alerts")
+        [failure] = run.failures(host)  # only the final "some host failed validation" stop
+        assert "validation failed on silent, watchdog_only" in failure
+
+
+def test_the_shipped_dcgm_counters_carry_every_dcgm_field_the_rules_read() -> None:
+    """dcgm-exporter's default counters leave out the XID count, double-bit ECC, a pending row
+    remap and NVLink errors: a dcgm-only site had no XID or ECC alert."""
+    lines = (MONITORING / "dcgm" / "rlm-counters.csv").read_text().splitlines()
+    rows = [[cell.strip() for cell in line.split(",", 2)] for line in lines]
+    rows = [row for row in rows if row[0] and not row[0].startswith("#")]
+    assert all(len(row) == 3 and row[1] in ("gauge", "counter", "label") for row in rows), rows
+    shipped = {row[0] for row in rows}
+    read = {
+        name
+        for path in RULES
+        for name in re.findall(r"DCGM_(?:FI|EXP)_[A-Z0-9_]+", path.read_text())
+    }
+    # The NVLink totals are selected by one regex in the rules.
+    read |= {
+        f"DCGM_FI_DEV_NVLINK_{kind}_ERROR_COUNT_TOTAL"
+        for kind in ("CRC_FLIT", "CRC_DATA", "REPLAY", "RECOVERY")
+    }
+    read.discard("DCGM_FI_DEV_NVLINK_")
+    # DCGM before 3.3 names the clock event mask CLOCK_THROTTLE_REASONS: the rules read both.
+    assert read - shipped == {"DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"}, read - shipped
+    assert {"DCGM_EXP_XID_ERRORS_COUNT", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"} <= shipped
+    assert {"DCGM_FI_DEV_ROW_REMAP_PENDING", "DCGM_FI_DEV_ROW_REMAP_FAILURE"} <= shipped
+
+
+def test_the_alerting_tunables_are_the_acceptance_thresholds() -> None:
+    """LearningRateJump and RunLogsNotGrowing are rlmctl accept's criteria as alerts: one threshold."""
+    tunables = {
+        rule["record"]: float(re.fullmatch(r"vector\((.+)\)", rule["expr"])[1])
+        for rule in rules()
+        if rule.get("record", "").startswith("rlm:tunable_")
+    }
+    accept = default("rlm_accept_thresholds")
+    assert tunables["rlm:tunable_lr_max_step_change_ratio"] == accept["lr_max_jump"]
+    assert tunables["rlm:tunable_log_max_age_seconds"] == accept["log_max_age_s"]
+
+
+def test_the_gpu_exporter_role_plans_dcgm_exporter_with_the_shipped_counters(
+    tmp_path: Path,
+) -> None:
+    """No NVIDIA package or GPU here: check mode plans the counters file and the unit's drop-in
+    (the collectors and a 15-minute XID window, the rules' window) on an NVIDIA host."""
+    from tests.ansible.playbook_run import FAKE_VENDOR_BIN, run_playbook, write_inventory
+
+    playbook = tmp_path / "gpu-exporter.yml"
+    play = {"name": "GPU exporter", "hosts": "compute", "gather_facts": False}
+    playbook.write_text(yaml.safe_dump([{**play, "roles": ["gpu_exporter"]}]))
+    host = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "rlm_gpu_vendor": "nvidia",
+        "rlm_gpus_per_node": 8,
+        "rlm_init_system": "systemd",
+        "gpu_detect_module_dirs": {"nvidia": "/sys/module/kernel"},
+    }
+    inventory = write_inventory(
+        tmp_path / "hosts.yml", {"all": {"children": {"compute": {"hosts": {"gpu1": host}}}}}
+    )
+    run = run_playbook(
+        playbook,
+        inventory,
+        tmp_path,
+        check=True,
+        env={"PATH": f"{FAKE_VENDOR_BIN}:{os.environ['PATH']}"},
+    )
+    # Check mode cannot install a package from a repository it has not written, nor start the
+    # service it would bring: the role ignores both there.
+    ignored = ("Install the exporter packages", "Enable and start the exporter services")
+    failures = [f for f in run.failures("gpu1") if not any(task in f for task in ignored)]
+    assert failures == [], failures
+    dropin = run.task("gpu1", "Run the exporter with them and a 15-minute XID window")
+    diff = dropin.result["diff"]
+    after = "".join(d.get("after", "") for d in (diff if isinstance(diff, list) else [diff]))
+    assert "ExecStart=\nExecStart=/usr/bin/dcgm-exporter --collectors " in after
+    assert "/etc/dcgm-exporter/rlm-counters.csv --xid-count-window-size 900000" in after
+    counters = run.task("gpu1", "Install the collectors (XID count, ECC, row remap, NVLink errors)")
+    assert counters.changed and not (tmp_path / "etc").exists()

@@ -6,22 +6,21 @@ run under torchrun/gloo on the shared directory. Prometheus on the real host scr
 shipped config (targets generated from the rig's inventory by monitoring.file_sd, node3 in the
 `drained` group) and the shipped rules, rendered with `for: 0s`, 1 s intervals and a short stall
 threshold; it sends to a real Alertmanager running the shipped routing with its receivers
-rendered by monitoring.alertmanager_config: one webhook, a real HTTP server in this test, which
-must receive the firing and then the resolved notification of a stopped trainer and of a killed
-exporter within DELIVERY_S (polled with a deadline, no sleeps).
+rendered by monitoring.alertmanager_config: one webhook, a real HTTP server in this test. Here:
+every recording rule and dashboard query returns data, a drained host's alerts are inhibited, a
+dead node's GPU alerts are inhibited. Faults delivered to a webhook by the roles' own deployment
+(a stalled trainer, a failed run, a lost GPU, an XID, a stopped exporter, the Watchdog) are tested
+on systemd nodes: tests/ansible/test_site_systemd.py, alerting section.
 """
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -29,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import yaml
 
-from monitoring import alertmanager_config, exporter, file_sd, rule_files
+from monitoring import alertmanager_config, file_sd
 from rlmctl.inventory import load
 from tests.monitoring import conftest
+from tests.monitoring.alerting_site import WebhookReceiver
 from tests.monitoring.conftest import FIXTURES, STANDIN_NVIDIA_SMI
 from tests.monitoring.test_config import MONITORING, dashboard_queries, rules
 from tests.ports import free_port
@@ -68,41 +67,6 @@ pytestmark = [
 def get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
-
-
-class WebhookReceiver:
-    """A real HTTP endpoint Alertmanager delivers to: keeps every notification it received."""
-
-    def __init__(self) -> None:
-        self.received: list[tuple[float, dict[str, Any]]] = []
-        self._lock = threading.Lock()
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                with receiver._lock:
-                    receiver.received.append((time.monotonic(), json.loads(body)))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/alerts"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def alerts(self, name: str, status: str, since: float = 0.0) -> list[tuple[float, dict]]:
-        """(arrival time, alert) of each delivered alert `name` with `status`, after `since`."""
-        with self._lock:
-            return [
-                (at, alert)
-                for at, payload in self.received
-                if at >= since
-                for alert in payload["alerts"]
-                if alert["labels"]["alertname"] == name and alert["status"] == status
-            ]
 
 
 def render_alertmanager(out: Path, webhook_url: str) -> Path:
@@ -396,80 +360,6 @@ def test_a_drained_hosts_alerts_are_inhibited_and_never_delivered(stack: Stack) 
     assert not stack.webhook.alerts(
         "HostDrained", "firing"
     )  # info: the receiver that sends nothing
-
-
-def rank0_worker(stack: Stack) -> psutil.Process:
-    agent = psutil.Process(stack.pid("node1", "trainer"))
-    workers = [p for p in agent.children(recursive=True) if exporter.runs_trainer(p.cmdline())]
-    assert len(workers) == 1, workers
-    return workers[0]
-
-
-def test_stopped_trainer_is_delivered_firing_then_resolved_to_the_webhook(stack: Stack) -> None:
-    """SIGSTOP rank 0: the webhook gets TrainingStalled (labels, absolute runbook link) within
-    the stall threshold + DELIVERY_S, and its resolved notification within DELIVERY_S of SIGCONT."""
-    wait_for(
-        lambda: not stack.alerts("TrainingStalled"), 120, "the run to make progress before the test"
-    )
-    worker = rank0_worker(stack)
-    stopped = time.monotonic()
-    worker.suspend()  # SIGSTOP
-    try:
-        firing = wait_for(
-            lambda: stack.webhook.alerts("TrainingStalled", "firing", stopped),
-            STALL_SECONDS + DELIVERY_S,
-            "TrainingStalled delivered to the webhook after SIGSTOP of rank 0",
-        )
-    finally:
-        worker.resume()  # SIGCONT
-    resumed = time.monotonic()
-    at, alert = firing[0]
-    assert alert["labels"]["run"] == RUN and alert["labels"]["severity"] == "critical"
-    assert alert["labels"]["component"] == "job"
-    assert alert["annotations"]["runbook_url"] == f"{rule_files.DEFAULT_BASE_URL}#trainingstalled"
-    print(f"\nfault -> webhook firing: {at - stopped:.1f} s (stall threshold {STALL_SECONDS} s)")
-    resolved = wait_for(
-        lambda: stack.webhook.alerts("TrainingStalled", "resolved", resumed),
-        DELIVERY_S,
-        "TrainingStalled resolved at the webhook after SIGCONT",
-    )
-    assert resolved[0][1]["labels"]["run"] == RUN
-    print(f"recovery -> webhook resolved: {resolved[0][0] - resumed:.1f} s")
-
-
-def test_stopped_exporter_is_delivered_firing_then_resolved_to_the_webhook(stack: Stack) -> None:
-    """Kill node1's rlm-exporter: TargetDown reaches the webhook; restarted, it resolves."""
-    state = stack.shared / "e2e"
-    wait_for(lambda: not stack.alerts("TargetDown"), 60, "no TargetDown before the kill")
-    stopped = time.monotonic()
-    os.kill(stack.pid("node1", "rlm-exporter"), signal.SIGTERM)
-    firing = wait_for(
-        lambda: [
-            (at, a)
-            for at, a in stack.webhook.alerts("TargetDown", "firing", stopped)
-            if a["labels"]["host"] == "node1"
-        ],
-        DELIVERY_S,
-        "TargetDown for node1's rlm-exporter at the webhook",
-    )
-    at, alert = firing[0]
-    assert alert["labels"]["job"] == "rlm-exporter" and alert["labels"]["severity"] == "warning"
-    assert alert["annotations"]["runbook_url"] == f"{rule_files.DEFAULT_BASE_URL}#targetdown"
-    print(f"\nexporter killed -> webhook firing: {at - stopped:.1f} s")
-    restarted = time.monotonic()
-    start_in_node(
-        stack.rig, "node1", "rlm-exporter", exporter_command(stack.shared, "node1"), state
-    )
-    resolved = wait_for(
-        lambda: [
-            (t, a)
-            for t, a in stack.webhook.alerts("TargetDown", "resolved", restarted)
-            if a["labels"]["host"] == "node1"
-        ],
-        DELIVERY_S + 30,
-        "TargetDown resolved at the webhook after the restart",
-    )
-    print(f"exporter restarted -> webhook resolved: {resolved[0][0] - restarted:.1f} s")
 
 
 def test_node_down_fires_and_inhibits_that_nodes_gpu_alerts_but_not_for_a_drained_node(

@@ -55,6 +55,7 @@ def make_run(root: Path, name: str = "run-a", state: str = "running", step: int 
     broken = run.checkpoint_path(110)  # a save interrupted before its manifest
     broken.mkdir()
     (broken / "model.safetensors").write_bytes(b"half")
+    run.append_metrics({"step": step, "loss": 3.2, "lr": 3e-4})
     run.write_status(
         state=state,
         step=step,
@@ -75,17 +76,21 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
     runs = tmp_path / "runs"
     make_run(runs)
     make_run(runs, "run-done", state="done").append_event("exit", exit_code=0, state="done")
+    make_run(runs, "run-garbled").status_path.write_text("{")
     (runs / "not-a-run").mkdir()
+    run_a = ["--config", "c.yaml", f"run_dir={runs / 'run-a'}"]
     trainer = subprocess.Popen(  # looks like a trainer worker to the exporter; sleeps only
-        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "trainer", "train"]
+        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "trainer", "train", *run_a]
     )
     try:
         port = run_exporter("--run-root", str(runs), "--interval", "2", "--expected-gpus", "8")
         samples = wait_for(
             lambda: (
-                (s := scrape(port)) and "rlm_run_step" in names(s) and GPU_SERIES in names(s) and s
+                (s := scrape(port))
+                and {"rlm_run_step", GPU_SERIES, "rlm_gpu_pcie_replays_total"} <= names(s)
+                and s
             ),
-            what="GPU and run series",
+            what="GPU, link counter and run series",
         )
         assert value(samples, "rlm_exporter_gpu_source_info", source="nvidia-smi") == 1
         assert value(samples, "rlm_exporter_source_up", source="nvidia-smi") == 1
@@ -93,14 +98,27 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         assert value(samples, "rlm_gpu_utilization_ratio", gpu="6", uuid=uuid(6)) == 0.97
         assert value(samples, "rlm_gpu_power_limit_watts", gpu="0", uuid=uuid(0)) == 700
         assert value(samples, "rlm_gpu_ecc_uncorrected_errors_total", gpu="7", uuid=uuid(7)) == 1
-        assert value(samples, "rlm_gpu_power_throttled", gpu="0", uuid=uuid(0)) == 1
+        gpu0 = {"gpu": "0", "uuid": uuid(0)}
+        assert value(samples, "rlm_gpu_clock_event", **gpu0, reason="sw_power_cap") == 1
+        assert value(samples, "rlm_gpu_clock_event", **gpu0, reason="hw_slowdown") == 0
+        assert value(samples, "rlm_gpu_memory_temperature_celsius", **gpu0) == 70
+        assert value(samples, "rlm_gpu_row_remap_pending", gpu="7", uuid=uuid(7)) == 1
+        assert value(samples, "rlm_gpu_row_remap_failed", gpu="7", uuid=uuid(7)) == 0
+        # nvidia-smi -q's replay counter by PCI address, nvlink -e's counters by UUID.
+        assert value(samples, "rlm_gpu_pcie_replays_total", gpu="2", uuid=uuid(2)) == 12
+        link5 = {"gpu": "2", "uuid": uuid(2), "link": "5"}
+        assert (
+            value(samples, "rlm_gpu_interconnect_errors_total", **link5, counter="crc_errors") == 37
+        )
+        assert value(samples, "rlm_exporter_source_up", source="gpu-counters") == 1
         assert xids(samples) == {("2", "3a", "79"): 1, ("7", "db", "48"): 1, ("7", "db", "63"): 1}
         assert value(samples, "rlm_gpus_seen") == 8
         assert value(samples, "rlm_gpus_expected") == 8
         assert value(samples, "rlm_gpu_present", gpu="3", uuid=uuid(3), pci_bus="0000:5d:00") == 1
         info = {dict(labels)["serial"] for n, labels in samples if n == "rlm_gpu_info"}
         assert info == {f"165042301000{i}" for i in range(8)}
-        assert value(samples, "rlm_exporter_errors_total", source="rundir") == 0
+        assert value(samples, "rlm_exporter_errors_total", source="rundir") >= 1  # run-garbled
+        assert value(samples, "rlm_run_unreadable", run="run-garbled", file="status.json") == 1
 
         assert value(samples, "rlm_run_step", run="run-a") == 120
         assert value(samples, "rlm_run_state", run="run-a", state="running") == 1
@@ -122,6 +140,8 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         assert value(samples, "rlm_trainer_processes") >= 1
         assert value(samples, "rlm_trainer_resident_memory_bytes", pid=str(trainer.pid)) > 1e6
         assert value(samples, "rlm_trainer_open_fds", pid=str(trainer.pid)) >= 3
+        # Its run, from run_dir=: joined onto this host's GPU series by the rules (rlm:host_run).
+        assert value(samples, "rlm_run_workers", run="run-a") >= 1
 
         fs_samples = {
             name: v for (name, labels), v in samples.items() if name.startswith("rlm_shared_fs_")
@@ -182,19 +202,24 @@ def test_hanging_tool_counts_errors_drops_gpu_series_and_keeps_serving(
     wait_for(lambda: value(scrape(port), GPU_SERIES, gpu="0") == 71, what="recovery")
 
 
+def scrape_after_errors(port: int, source: str, at_least: int):
+    """The first scrape that counts at least `at_least` errors of `source`."""
+    return wait_for(
+        lambda: (
+            (s := scrape(port))
+            and (value(s, "rlm_exporter_errors_total", source=source) or 0) >= at_least
+            and s
+        ),
+        what=f"{at_least} {source} errors",
+    )
+
+
 def test_garbage_printing_tool_counts_errors_and_exports_no_gpu_series(
     tool_bin, run_exporter
 ) -> None:
     install_tool(tool_bin, "rocm-smi", "echo 'ERROR: rocm_smi_lib: driver not initialized'")
     port = run_exporter("--gpu-source", "rocm-smi", "--interval", "0.3")
-    samples = wait_for(
-        lambda: (
-            (s := scrape(port))
-            and (value(s, "rlm_exporter_errors_total", source="rocm-smi") or 0) >= 2
-            and s
-        ),
-        what="repeated rocm-smi errors",
-    )
+    samples = scrape_after_errors(port, "rocm-smi", 2)
     assert not any(name.startswith("rlm_gpu_") for name in names(samples))
     assert value(samples, "rlm_exporter_source_up", source="rocm-smi") == 0
     assert value(samples, "rlm_exporter_gpu_source_info", source="rocm-smi") == 1
@@ -302,27 +327,38 @@ def test_no_gpu_tool_means_no_gpu_series(tool_bin, run_exporter, monkeypatch) ->
     assert not any(name.startswith("rlm_gpu_") for name in names(samples))
 
 
-def test_unreadable_run_dir_is_reported_and_others_still_exported(tmp_path, run_exporter) -> None:
+def test_unreadable_or_malformed_run_files_are_counted_and_exported(tmp_path, run_exporter) -> None:
+    """A run whose status.json is garbage, or whose events.jsonl cannot be opened, showed with no
+    state and an error counter at 0: nothing could fire. Each is counted and named per run."""
     runs = tmp_path / "runs"
     make_run(runs, "good")
-    bad = make_run(runs, "bad")
-    bad.events_path.unlink()
-    bad.events_path.mkdir()  # unreadable even for root, unlike a chmod
+    garbled = make_run(runs, "garbled")
+    garbled.status_path.write_text('{"state": "running", "step": 12')  # not JSON: torn by hand
+    locked = make_run(runs, "locked")
+    locked.events_path.unlink()
+    locked.events_path.mkdir()  # unreadable even for root, unlike a chmod
     elsewhere = make_run(tmp_path / "elsewhere", "explicit", step=7)
     port = run_exporter(
         "--run-root", str(runs), "--run-dir", str(elsewhere.path),
         "--interval", "0.5", "--gpu-source", "none",
     )  # fmt: skip
-    samples = wait_for(
-        lambda: (
-            (s := scrape(port)) and value(s, "rlm_exporter_errors_total", source="rundir") and s
-        ),
-        what="rundir error",
-    )
-    assert value(samples, "rlm_exporter_source_up", source="rundir") == 0
+    samples = scrape_after_errors(port, "rundir", 2)  # both runs
+    assert value(samples, "rlm_run_unreadable", run="garbled", file="status.json") == 1
+    assert value(samples, "rlm_run_unreadable", run="locked", file="events.jsonl") == 1
+    assert value(samples, "rlm_run_unreadable", run="good", file="status.json") is None
+    # The directory itself was read: the source is up, the readable runs are exported.
+    assert value(samples, "rlm_exporter_source_up", source="rundir") == 1
     assert value(samples, "rlm_run_step", run="good") == 120
     assert value(samples, "rlm_run_step", run="explicit") == 7
-    assert value(samples, "rlm_run_step", run="bad") is None
+    assert value(samples, "rlm_run_step", run="garbled") is None
+
+
+def test_a_run_root_that_cannot_be_listed_takes_the_source_down(tmp_path, run_exporter) -> None:
+    runs = tmp_path / "runs"
+    runs.write_text("not a directory")  # listing it fails, as a lost mount's EIO does
+    port = run_exporter("--run-root", str(runs), "--interval", "0.5", "--gpu-source", "none")
+    samples = scrape_after_errors(port, "rundir", 1)
+    assert value(samples, "rlm_exporter_source_up", source="rundir") == 0
 
 
 def write_exit_record(run: RunDir, host: str, code: int, when: float) -> None:
@@ -390,6 +426,21 @@ def test_finished_runs_disappear_after_an_hour(tmp_path) -> None:
 )
 def test_trainer_process_recognition(argv, expected) -> None:
     assert exporter.runs_trainer(argv) is expected
+
+
+def test_the_run_of_a_worker_is_its_run_dir_argument() -> None:
+    launched = [
+        "/venv/bin/python",
+        "-u",
+        "-m",
+        "trainer",
+        "train",
+        "--config",
+        "/s/runs/exp1/c.yaml",
+    ]
+    assert exporter.run_of([*launched, "run_dir=/lustre/runs/exp1", "train.steps=9"]) == "exp1"
+    assert exporter.run_of([*launched, "run_dir=/lustre/runs/exp2/"]) == "exp2"
+    assert exporter.run_of(launched) == ""
 
 
 def test_link_speed_unknown_is_none(tmp_path) -> None:

@@ -39,9 +39,19 @@ def test_nvidia_smi_eight_gpus() -> None:
     assert first.temperature_celsius == 63
     assert first.power_watts == pytest.approx(688.21)
     assert first.power_limit_watts == 700
-    assert first.power_throttled == 1.0
-    assert result.gpus[1].power_throttled == 0.0
+    # At its power cap under full load (688 W of 700 W): a reason, not a fault.
+    assert first.clock_events == {
+        "sw_power_cap": 1.0,
+        "hw_slowdown": 0.0,
+        "hw_thermal_slowdown": 0.0,
+        "hw_power_brake_slowdown": 0.0,
+        "sw_thermal_slowdown": 0.0,
+    }
+    assert result.gpus[1].clock_events["sw_power_cap"] == 0.0
+    assert first.memory_temperature_celsius == 70
+    assert (first.row_remap_pending, first.row_remap_failed) == (0.0, 0.0)
     assert (last.ecc_uncorrected_total, last.ecc_corrected_total) == (1, 14)
+    assert (last.row_remap_pending, last.row_remap_failed) == (1.0, 0.0)  # after its DBE
     assert result.gpus[2].pci_bus == (0, 0x3A, 0)
 
 
@@ -52,7 +62,11 @@ def test_nvidia_smi_partial_output_keeps_the_readable_gpus() -> None:
     unknown = result.gpus[3]  # GPU 4 answered [N/A] for several fields
     assert unknown.utilization_ratio is None and unknown.power_watts is None
     assert unknown.temperature_celsius == 64
-    assert result.gpus[-1].ecc_uncorrected_total is None  # [Not Supported]
+    assert unknown.clock_events == {} and unknown.memory_temperature_celsius is None
+    last = result.gpus[-1]
+    assert last.ecc_uncorrected_total is None and last.row_remap_pending is None  # [Not Supported]
+    slowed = result.gpus[4]  # GPU 5: hardware thermal slowdown
+    assert slowed.clock_events["hw_slowdown"] == slowed.clock_events["hw_thermal_slowdown"] == 1
 
 
 def test_nvidia_smi_garbage_yields_no_gpus() -> None:
@@ -70,7 +84,17 @@ def test_amd_smi_eight_gpus() -> None:
     assert g0.temperature_celsius == 71  # hotspot; edge is N/A on MI300X
     assert g0.power_watts == 712
     assert g0.power_limit_watts is None  # amd-smi metric does not report the cap
-    assert g2.power_throttled == 1.0 and g0.power_throttled == 0.0
+    assert g0.memory_temperature_celsius == 58
+    assert g0.pcie_replays_total == 0
+    # ROCm 6.2+ violation statuses: package power (ppt) is the power cap; HBM thermal is thermal.
+    assert g0.clock_events == {"sw_power_cap": 1.0, "hw_thermal_slowdown": 0.0, "hw_slowdown": 0.0}
+    assert result.gpus[6].clock_events["hw_thermal_slowdown"] == 1.0
+    assert g2.clock_events == {"sw_power_cap": 1.0}  # older: power.throttle_status only
+    assert result.gpus[1].clock_events == {"sw_power_cap": 0.0}
+    assert result.gpus[3].interconnect_errors == {
+        ("xgmi", "correctable_errors"): 12,
+        ("xgmi", "uncorrectable_errors"): 0,
+    }
     assert (g5.ecc_uncorrected_total, g5.ecc_corrected_total) == (1, 3)
 
 
@@ -91,6 +115,7 @@ def test_rocm_smi_cards_and_system_section() -> None:
     assert card0.temperature_celsius == 52  # junction preferred over edge
     assert card0.power_watts == 412 and card0.power_limit_watts == 560
     assert card0.memory_used_bytes == 60458229760
+    assert card0.memory_temperature_celsius == 48 and card0.pcie_replays_total == 2
     assert card1.utilization_ratio is None and card1.power_watts is None
 
 
@@ -111,18 +136,19 @@ def test_grouped_query_keeps_the_other_groups_when_one_field_is_rejected(tool_bi
     install_tool(
         tool_bin,
         "nvidia-smi",
-        printing_nvidia("nvidia-smi-8gpu.csv", reject=("clocks_event_reasons.sw_power_cap",)),
+        printing_nvidia("nvidia-smi-8gpu.csv", reject=("clocks_event_reasons.hw_slowdown",)),
     )
     output = gpu.run_tool(nvidia.NVIDIA_SMI, timeout_s=30, name="nvidia-smi")
     assert output.returncode == 0
     result = nvidia.parse_nvidia_smi(output.stdout)
     assert [g.gpu for g in result.gpus] == [str(i) for i in range(8)]
     assert result.problems == [
-        "nvidia-smi rejected clocks_event_reasons.sw_power_cap (exit 2): "
-        'Field "clocks_event_reasons.sw_power_cap" is not a valid field to query.'
+        "nvidia-smi rejected " + ",".join(nvidia.CLOCK_EVENT_FIELDS) + " (exit 2): "
+        'Field "clocks_event_reasons.hw_slowdown" is not a valid field to query.'
     ]
     first = result.gpus[0]
-    assert first.power_throttled is None  # only the rejected group's field is missing
+    assert first.clock_events == {}  # only the rejected group's fields are missing
+    assert first.memory_temperature_celsius == 70
     assert first.temperature_celsius == 63 and first.ecc_corrected_total == 0
     assert first.uuid == "GPU-5b0e3c1a-9f1d-4c2b-8e7a-000000000000"
     assert first.serial == "1650423010000" and first.name == "NVIDIA H100 80GB HBM3"
@@ -135,7 +161,38 @@ def test_grouped_query_with_a_gpu_off_the_bus(tool_bin) -> None:
     result = nvidia.parse_nvidia_smi(output.stdout)
     assert [g.gpu for g in result.gpus] == ["0", "1", "3", "4", "5", "6", "7"]
     assert result.problems and all("Unable to determine" in p for p in result.problems)
-    assert result.gpus[0].power_throttled == 1.0  # clocks_event_reasons answered
+    assert result.gpus[0].clock_events["sw_power_cap"] == 1.0  # clocks_event_reasons answered
+
+
+def test_pcie_replays_from_the_full_query_by_pci_address() -> None:
+    replays, problems = nvidia.parse_pcie_replays(read("nvidia-smi-q-8gpu.txt"))
+    assert problems == []
+    assert len(replays) == 8
+    assert replays[(0, 0x3A, 0)] == 12 and replays[(0, 0xDB, 0)] == 3 and replays[(0, 0x18, 0)] == 0
+
+
+def test_nvlink_error_counters_per_gpu_link_and_counter() -> None:
+    errors, problems = nvidia.parse_nvlink_errors(read("nvidia-smi-nvlink-e-8gpu.txt"))
+    assert problems == []
+    gpu2 = errors["GPU-5b0e3c1a-9f1d-4c2b-8e7a-000000000002"]
+    assert len(errors) == 8 and len(gpu2) == 18 * 3
+    assert gpu2[("5", "crc_errors")] == 37 and gpu2[("5", "replay_errors")] == 4
+    assert gpu2[("5", "recovery_errors")] == 0
+
+
+def test_link_counters_command_runs_both_parts_and_keeps_one_that_works(tool_bin) -> None:
+    """A PCIe card without NVLink: `nvidia-smi nvlink -e` fails, the replays still count."""
+    install_tool(
+        tool_bin,
+        "nvidia-smi",
+        f'if [ "$1" = nvlink ]; then echo "NVLink is not supported"; exit 3; fi\n'
+        f"cat '{FIXTURES / 'nvidia-smi-q-8gpu.txt'}'",
+    )
+    command, parse = gpu.COUNTERS["nvidia-smi"]
+    counters = parse(gpu.run_tool(command, timeout_s=30).stdout)
+    assert counters.pcie_replays[(0, 0x3A, 0)] == 12
+    assert counters.interconnect_errors == {}
+    assert counters.problems == ["nvidia-smi nvlink exited 3: NVLink is not supported"]
 
 
 def test_query_uses_the_current_clock_event_field_names() -> None:

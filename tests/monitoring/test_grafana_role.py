@@ -113,8 +113,8 @@ def test_provisioning_applies_then_changes_nothing_and_check_mode_agrees(tmp_pat
 def test_tls_and_basic_auth_reach_the_datasource_and_stay_out_of_the_output(
     tmp_path: Path,
 ) -> None:
-    """With the site's rlm_monitoring_* settings Grafana reaches Prometheus over HTTPS on
-    loopback, checks its certificate with the site's CA against the mgmt host's name and logs in;
+    """With the site's rlm_monitoring_* settings Grafana reaches Prometheus over HTTPS on the
+    mgmt host's address, checks its certificate with the site's CA against the mgmt host's name and logs in;
     the CA and password go to secureJsonData, and no password shows in the play's output."""
     root = tmp_path / "root"
     ca = tmp_path / "site-ca.pem"
@@ -128,11 +128,12 @@ def test_tls_and_basic_auth_reach_the_datasource_and_stay_out_of_the_output(
         "rlm_monitoring_username": "grafana-reader",
         "rlm_monitoring_password": "pw-for-the-test",
     }
-    del host_vars["grafana_prometheus_url"]  # the role's own: https on loopback
+    del host_vars["grafana_prometheus_url"]  # the role's own: https on the mgmt address
     result = run_role(tmp_path, "tls", host_vars, check=False)
     datasource = yaml.safe_load((root / "provisioning/datasources/rlm-ops.yml").read_text())
     [source] = datasource["datasources"]
-    assert source["url"] == "https://127.0.0.1:9090"
+    # Prometheus listens on the mgmt host's cluster address (no ansible_host here: its name).
+    assert source["url"] == "https://mon:9090"
     assert source["jsonData"]["serverName"] == "mon"  # the inventory name by default
     assert source["jsonData"]["tlsAuthWithCACert"] is True
     assert source["jsonData"]["timeInterval"] == "15s"  # the bundle's settings stay

@@ -1,6 +1,7 @@
 """rules/inventory.yml as the prometheus role's template writes it from an inventory, loaded by
 promtool next to the shipped rules: a port whose HCA reports no rate is divided by its host's
-rlm_rdma_link_gbps (clusterspec default 400 Gb/s, here 200 for one host)."""
+rlm_rdma_link_gbps (clusterspec default 400 Gb/s, here 200 for one host); the receivers the
+inventory sets (AlertmanagerNoReceiver)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.ansible.playbook_run import REPO, run_playbook, write_inventory
 from tests.monitoring.test_config import MONITORING
 
 TEMPLATE = REPO / "roles" / "prometheus" / "templates" / "inventory-rules.yml.j2"
+ROLE_DEFAULTS = REPO / "roles" / "prometheus" / "defaults" / "main.yml"
 
 pytestmark = pytest.mark.skipif(not shutil.which("promtool"), reason="needs promtool (prometheus)")
 
@@ -38,7 +40,8 @@ def test_inventory_link_speeds_reach_the_rdma_rules(tmp_path: Path) -> None:
         "name": "Rules",
         "hosts": "mgmt",
         "gather_facts": False,
-        "vars": {"prometheus_rdma_link_gbps": "{{ lookup('rlm_default', 'rlm_rdma_link_gbps') }}"},
+        # The role's own defaults: the template sees what the role gives it.
+        "vars": yaml.safe_load(ROLE_DEFAULTS.read_text()),
         "tasks": [task],
     }
     playbook.write_text(yaml.safe_dump([play], sort_keys=False))
@@ -48,14 +51,21 @@ def test_inventory_link_speeds_reach_the_rdma_rules(tmp_path: Path) -> None:
             "children": {
                 "mgmt": {"hosts": {"mgmt1": local}},
                 "compute": {"hosts": {"node1": None, "node2": {"rlm_rdma_link_gbps": 200}}},
-            }
+            },
+            "vars": {
+                "rlm_alert_webhook_url": "http://10.0.0.1:8080/alerts",
+                "rlm_alert_pagerduty_routing_key": "0123456789abcdef",
+                "rlm_alert_watchdog_url": "https://deadman.example.org/ping/1",  # not a receiver
+            },
         }
     }
     result = run_playbook(playbook, write_inventory(tmp_path / "hosts.yml", inventory), tmp_path)
     assert result.rc == 0, (result.failures("mgmt1"), result.stderr[-2000:])
 
     rules = yaml.safe_load((out / "inventory.yml").read_text())["groups"][0]["rules"]
-    speeds = {rule["labels"]["host"]: rule["expr"] for rule in rules}
+    speeds = {rule["labels"]["host"]: rule["expr"] for rule in rules if "labels" in rule}
+    receivers = {rule["record"]: rule["expr"] for rule in rules if "labels" not in rule}
+    assert receivers == {"rlm:inventory_alert_receivers": "vector(2)"}
     assert speeds == {
         "mgmt1": f"vector({int(default('rlm_rdma_link_gbps') * 1e9 / 8)})",
         "node1": "vector(50000000000)",

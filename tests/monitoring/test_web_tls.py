@@ -102,12 +102,13 @@ def make_server_cert(directory: Path, ca_key, ca_cert) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def get(url: str, ca: Path, login: tuple[str, str] | None = None) -> tuple[int, str]:
+def get(url: str, ca: Path | None, login: tuple[str, str] | None = None) -> tuple[int, str]:
+    """(status, body) of a GET, verifying HTTPS with `ca`, logging in with `login`."""
     request = urllib.request.Request(url)
     if login:
         token = base64.b64encode(f"{login[0]}:{login[1]}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
-    context = ssl.create_default_context(cafile=str(ca))
+    context = ssl.create_default_context(cafile=str(ca)) if ca else None
     try:
         with urllib.request.urlopen(request, timeout=5, context=context) as response:
             return response.status, response.read().decode()
@@ -126,14 +127,17 @@ class Stack:
     role_output: str
 
 
-def run_monitoring_web(tmp: Path, host_vars: dict) -> tuple[str, Path]:
-    """The monitoring_web role for real on this machine; its whole output and its directory."""
-    playbook = tmp / "web.yml"
-    playbook.write_text(
-        yaml.safe_dump(
-            [{"name": "Web", "hosts": "mgmt", "gather_facts": False, "roles": ["monitoring_web"]}]
+def run_monitoring_web(tmp: Path, host_vars: dict, grafana: dict | None = None) -> tuple[str, Path]:
+    """The monitoring_web role for real on this machine; its whole output and its directory.
+    With `grafana` (the grafana role's variables), a Grafana play follows, as in monitoring.yml."""
+    plays = [{"name": "Web", "hosts": "mgmt", "gather_facts": False, "roles": ["monitoring_web"]}]
+    if grafana is not None:
+        plays.append(
+            {"name": "Grafana", "hosts": "mgmt", "gather_facts": False, "roles": ["grafana"]}
         )
-    )
+        host_vars = {**host_vars, **grafana}
+    playbook = tmp / "web.yml"
+    playbook.write_text(yaml.safe_dump(plays))
     web_dir = tmp / "web"
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     inventory = {
@@ -163,6 +167,16 @@ def run_monitoring_web(tmp: Path, host_vars: dict) -> tuple[str, Path]:
 def start(argv: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+
+
+def start_prometheus(config: Path, tmp: Path, port: int, web_config: str) -> subprocess.Popen:
+    """The real Prometheus on loopback with a web configuration; its data and log under `tmp`."""
+    argv = [
+        shutil.which("prometheus"), f"--config.file={config}",
+        f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+        f"--web.config.file={web_config}",
+    ]  # fmt: skip
+    return start(argv, tmp / "prometheus.log")
 
 
 @pytest.fixture(scope="module")
@@ -232,14 +246,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ],
         tmp / "alertmanager.log",
     )  # fmt: skip
-    prometheus = start(
-        [
-            shutil.which("prometheus"), f"--config.file={prometheus_yml}",
-            f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{prometheus_port}",
-            f"--web.config.file={web_config}",
-        ],
-        tmp / "prometheus.log",
-    )  # fmt: skip
+    prometheus = start_prometheus(prometheus_yml, tmp, prometheus_port, web_config)
     stack = Stack(
         f"https://localhost:{prometheus_port}", f"https://localhost:{alertmanager_port}",
         ca, wrong_ca, web_dir, prometheus_yml, output,
@@ -357,3 +364,55 @@ def test_rlmctl_accept_queries_prometheus_with_the_inventory_ca_and_login(
             accept.PrometheusAPI(stack.prometheus, str(stack.wrong_ca), USER, PASSWORD),
             "vector(1)",
         )
+
+
+def test_basic_auth_is_on_by_default_with_a_login_generated_once(tmp_path: Path) -> None:
+    """No rlm_monitoring_* setting at all: the role generates a login on the controller into the
+    inventory's group_vars/all/ (mode 0600, no secret in the output), serves with it, hands it to
+    Grafana's play in the same run (before Ansible ever read the new file), keeps it on the next
+    run (nothing changes), and rlmctl reads the same login from the inventory."""
+    grafana = tmp_path / "grafana"
+    grafana_vars = {
+        "grafana_provisioning_dir": str(grafana / "provisioning"),
+        "grafana_dashboards_dir": str(grafana / "dashboards"),
+        "grafana_group": "root",
+        "grafana_install_package": False,
+        "rlm_os_family": "Debian",
+    }
+    first_output, web_dir = run_monitoring_web(tmp_path, {}, grafana_vars)
+    credentials = tmp_path / "group_vars" / "all" / "rlm-monitoring-credentials.yml"
+    assert credentials.stat().st_mode & 0o777 == 0o600
+    generated = yaml.safe_load(credentials.read_text())
+    user, password = generated["rlm_monitoring_username"], generated["rlm_monitoring_password"]
+    assert user == "rlm-ops" and len(password) >= 32
+    web = yaml.safe_load((web_dir / "web-config.yml").read_text())
+    assert list(web["basic_auth_users"]) == [user] and "tls_server_config" not in web
+    assert bcrypt.checkpw(password.encode(), web["basic_auth_users"][user].encode())
+    assert (web_dir / "password").read_text() == password
+    assert password not in first_output and web["basic_auth_users"][user] not in first_output
+    datasources = yaml.safe_load((grafana / "provisioning/datasources/rlm-ops.yml").read_text())
+    [source] = datasources["datasources"]
+    assert source["url"] == "http://mgmt1:9090"  # the mgmt host's address (its name here)
+    assert (source["basicAuth"], source["basicAuthUser"]) == (True, user)
+    assert source["secureJsonData"] == {"basicAuthPassword": password}
+
+    second_output, _ = run_monitoring_web(tmp_path, {})
+    assert yaml.safe_load(credentials.read_text()) == generated
+    assert '"changed": true' not in second_output
+
+    host = inventory.load(tmp_path / "hosts.yml").hosts["mgmt1"]
+    assert (host.monitoring_username, host.monitoring_password) == (user, password)
+
+    port = free_port()
+    shipped = ROOT / "monitoring/prometheus/prometheus.yml"
+    prometheus = start_prometheus(shipped, tmp_path, port, str(web_dir / "web-config.yml"))
+    try:
+        url = f"http://127.0.0.1:{port}/api/v1/status/buildinfo"
+        wait_for(
+            lambda: get(url, None, (user, password))[0] == 200, 60, "Prometheus with the login"
+        )
+        assert get(url, None)[0] == 401
+        assert get(url, None, (user, "not-the-password"))[0] == 401
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)

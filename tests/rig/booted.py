@@ -78,6 +78,9 @@ def start(
         f"--network-namespace-path=/run/netns/{netns}",
         # nftables in the node; it only reaches the node's own network namespace.
         "--capability=CAP_NET_ADMIN",
+        # The kernel log (dmesg, syslog(2)): rlm-exporter's unit is granted CAP_SYSLOG to read
+        # GPU errors there, which a node's bounding set must contain for it to be given.
+        "--capability=CAP_SYSLOG",
         "--console=read-only",
         "--link-journal=no",
         "--resolv-conf=off",

@@ -155,7 +155,8 @@ def test_logs_present_and_growing(tmp_path: Path) -> None:
 def test_nonfinite_steps(tmp_path: Path) -> None:
     assert judge(make_run(tmp_path / "a"), accept.nonfinite_steps).verdict == accept.PASS
     result = judge(make_run(tmp_path / "b", nonfinite=2), accept.nonfinite_steps)
-    assert result.verdict == accept.FAIL and result.measured == "2"
+    assert result.verdict == accept.FAIL and result.measured == "2 steps"
+    assert (result.value, result.unit, result.limit) == (2, "steps", 0)
 
 
 def test_a_run_without_metrics_yet_is_no_data_never_a_traceback(tmp_path: Path) -> None:
@@ -265,3 +266,41 @@ def test_cpu_run_marks_gpu_criteria_not_applicable_even_without_prometheus() -> 
     criteria = accept.prometheus_criteria(None, "r", 60, LIMITS, cpu=True)
     assert [c.verdict for c in criteria] == [accept.NA, accept.NA, accept.NO_DATA, accept.NO_DATA]
     assert criteria[0].reason == "CPU run: no GPU or RDMA link"
+
+
+def test_cli_accept_on_a_binary_garbage_metrics_file_is_one_line(local_inventory: Path) -> None:
+    """Reported: a metrics.jsonl of binary garbage gave a traceback. Now one line naming the
+    file, exit 2, and nothing of the run directory touched."""
+    shared = local_inventory.parent / "shared"
+    run_dir = make_run(shared / "runs" / "garbage")
+    run_dir.config_path.write_text("checkpoint: {interval_steps: 100}\n")
+    garbage = bytes(range(256)) * 64 + b"\n\x00\xff\xfe{not json\n"
+    run_dir.metrics_path.write_bytes(garbage)
+    assert rlmctl("-i", str(local_inventory), "reindex").returncode == 0
+    result = rlmctl("-i", str(local_inventory), "accept", "garbage")
+    assert_one_line_error(result, 2, str(run_dir.metrics_path), "not JSON lines")
+    assert run_dir.metrics_path.read_bytes() == garbage
+    assert not (run_dir.path / "acceptance.md").exists()
+    # A file of JSON values that are not records (a list per line) is refused the same way.
+    run_dir.metrics_path.write_text("[1, 2]\n[3, 4]\n")
+    result = rlmctl("-i", str(local_inventory), "accept", "garbage")
+    assert_one_line_error(result, 2, str(run_dir.metrics_path), "line 1")
+
+
+def test_a_plain_health_run_keeps_the_deep_record(local_inventory: Path) -> None:
+    """Reported: `rlmctl health` after `health --deep` replaced the one record accept reads, and
+    the communication path became NO DATA. The deep record is kept apart."""
+    from rlmctl import health
+
+    shared = local_inventory.parent / "shared"
+    run_dir = make_run(shared / "runs" / "kept")
+    run_dir.config_path.write_text("checkpoint: {interval_steps: 100}\n")
+    assert rlmctl("-i", str(local_inventory), "reindex").returncode == 0
+    deep = {"ok": True, "problems": [], "comm_path": {"localhost": {"summary": "NET/IB x8"}}}
+    health.save_last_report({"state": "OK", "hosts": [], "deep": deep}, str(shared))
+    assert rlmctl("-i", str(local_inventory), "health").returncode in (0, 1)
+    result = rlmctl("-i", str(local_inventory), "accept", "kept", "--json")
+    criteria = {c["name"]: c for c in json.loads(result.stdout)["criteria"]}
+    path = criteria["communication path"]
+    assert path["verdict"] == accept.PASS and "NET/IB x8" in path["measured"], path
+    assert criteria["GPU topology"]["verdict"] != accept.NO_DATA  # from the newer plain run

@@ -62,9 +62,19 @@ def test_yaml_inventory_resolves_connection_and_bundle_variables(tmp_path: Path)
     gpu1, gpu2 = hosts["gpu1"], hosts["gpu2"]
     assert (gpu1.address, gpu1.port, gpu1.user) == ("10.0.0.1", 2201, "ops")
     assert gpu2.port == 22 and gpu2.gpus_per_node == 4 and gpu1.gpus_per_node == 8
-    assert gpu1.key_file == str(tmp_path / "keys/id_ed25519")  # relative to the inventory
-    assert gpu1.known_hosts_file == str(tmp_path / "known_hosts")
-    assert gpu1.strict_host_key_checking == "yes"
+    # What Ansible's ssh connection passes to `ssh` (the key relative to the inventory).
+    assert gpu1.ssh_args[-10:] == (
+        "-o",
+        "Port=2201",
+        "-o",
+        f"IdentityFile={tmp_path / 'keys/id_ed25519'}",
+        "-o",
+        "User=ops",
+        "-o",
+        f"UserKnownHostsFile={tmp_path}/known_hosts",
+        "-o",
+        "StrictHostKeyChecking=yes",
+    )
     assert gpu1.comm_env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth0"}
     assert (gpu1.gpu_vendor, gpu1.shared_dir, gpu1.python) == (
         "amd",
@@ -130,17 +140,6 @@ def test_drained_hosts_auto_vendor_and_busbw_floor(tmp_path: Path) -> None:
         inventory.load(path)
 
 
-def test_ssh_options_from_common_args() -> None:
-    options = inventory.ssh_options(
-        "-o UserKnownHostsFile=/k -oStrictHostKeyChecking=no -o 'ProxyJump bastion'"
-    )
-    assert options == {
-        "userknownhostsfile": "/k",
-        "stricthostkeychecking": "no",
-        "proxyjump": "bastion",
-    }
-
-
 def test_cli_inventory_json_and_unknown_limit_host(tmp_path: Path) -> None:
     path = tmp_path / "hosts.yml"
     path.write_text(YAML)
@@ -174,3 +173,17 @@ def test_cli_starts_without_heavy_imports() -> None:
     code = "import sys, rlmctl.cli; print(sorted(m for m in ('torch', 'ansible', 'fabric') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_host_defined_twice_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Reported: a host defined twice in one YAML mapping silently took the second definition
+    (a duplicate key, which YAML loaders keep the last of)."""
+    path = tmp_path / "hosts.yml"
+    path.write_text(
+        "all:\n  children:\n    compute:\n      hosts:\n"
+        "        gpu01:\n          ansible_host: 10.0.0.1\n"
+        "        gpu02:\n          ansible_host: 10.0.0.2\n"
+        "        gpu01:\n          ansible_host: 10.0.0.3\n"
+    )
+    result = rlmctl("-i", str(path), "inventory")
+    assert_one_line_error(result, 2, "gpu01", str(path))

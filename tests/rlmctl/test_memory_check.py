@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlmctl import plan
 from runcontract.config import load_config
@@ -119,3 +120,30 @@ def test_hosts_without_the_gpu_memory_fact_are_not_judged(
     assert result.returncode == 1, result.stderr
     assert "health gate failed on 1 host(s): gpu01" in result.stderr
     assert "memory estimate" not in result.stderr
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("group", ["compute_amd", "compute_nvidia"])
+def test_the_shipped_3_5b_config_fits_the_example_inventorys_gpus(group: str) -> None:
+    """Issue 21: the shipped huginn-3.5b.yaml (then DDP, 57 GiB per GPU) did not fit a 64 GiB
+    MI250X GCD. By the estimate `rlmctl launch` runs (plan.config_fit, the check_memory of
+    rlmctl/lifecycle.py), on each GPU group of inventory/example with its own facts: one node
+    and all of the group's nodes."""
+    example = REPO / "inventory" / "example"
+    facts = yaml.safe_load((example / "group_vars" / f"{group}.yml").read_text(encoding="utf-8"))
+    hosts = yaml.safe_load((example / "hosts.yml").read_text(encoding="utf-8"))
+    nodes = len(hosts["all"]["children"]["compute"]["children"][group]["hosts"])
+    per_node, memory = facts["rlm_gpus_per_node"], facts["rlm_gpu_memory_gib"]
+    assert (per_node, memory) == {"compute_amd": (8, 64), "compute_nvidia": (8, 80)}[group]
+    cfg = load_config(REPO / "trainer" / "configs" / "huginn-3.5b.yaml")
+    for gpus in (per_node, nodes * per_node):
+        fit = plan.config_fit(cfg, gpus, per_node, memory)
+        assert fit.problem is None, (group, gpus, fit)
+        assert fit.per_gpu_gib <= fit.usable_gib < memory
+    # The config the file replaced (DDP, as shipped before) is refused on the 64 GiB GCDs.
+    ddp = load_config(REPO / "trainer" / "configs" / "huginn-3.5b.yaml", ["parallel.strategy=ddp"])
+    assert (plan.config_fit(ddp, nodes * per_node, per_node, memory).problem is None) == (
+        memory >= 80
+    )

@@ -71,8 +71,11 @@ def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
     assert "#SBATCH --signal=B:TERM@60" in short
     syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert syntax.returncode == 0, syntax.stderr
-    result = rlmctl("-i", str(local_inventory), "slurm", "--config", str(config), "--nodes", "2")
+    result = rlmctl("-i", str(local_inventory), "slurm", "--config", str(config), "--nodes", "1")
     assert result.returncode == 0 and result.stdout.startswith("#!/bin/bash")
+    # launch's own checks come first: a world size the config's batch does not divide is refused
+    too_wide = rlmctl("-i", str(local_inventory), "slurm", "--config", str(config), "--nodes", "2")
+    assert_one_line_error(too_wide, 2, "not divisible by world size")
     missing = rlmctl("-i", str(local_inventory), "slurm", "--config", "nope.yaml")
     assert_one_line_error(missing, 2, "nope.yaml")
 

@@ -41,6 +41,9 @@ SLURMD_TIMEOUT_S = 30
 # PreemptMode=REQUEUE); its GraceTime is the preempted trainer's time to checkpoint.
 URGENT = "urgent"
 PREEMPT_GRACE_S = 60
+# The site's accounts and QOS, created by the role with sacctmgr (the rerun must change nothing).
+ACCOUNT = "rlm-site"
+QOS = "long"
 # Every trainer of the module's jobs appends the sample positions it trains on to
 # <run>/ledger-rank<r>.jsonl (the test hook of tests/trainer/faults.py). The jobs' workers import
 # it from the shared directory, their working directory (`install_ledger_hooks`); the batch
@@ -88,6 +91,10 @@ def slurm_inventory(rig: Rig, work: Path) -> dict[str, Any]:
             "slurm_partitions": [
                 {"name": "compute", "group": "compute", "default": True},
                 {"name": URGENT, "group": "compute", "priority_tier": 2},
+            ],
+            "slurm_qos": [{"name": QOS, "settings": {"MaxWall": "7-00:00:00"}}],
+            "slurm_accounts": [
+                {"name": ACCOUNT, "users": ["rlm"], "qos": ["normal", QOS], "default_qos": "normal"}
             ],
         }
     )

@@ -20,11 +20,13 @@ from tests.ansible.playbook_run import REPO, PlaybookRun, run_playbook, write_in
 from tests.rig import Rig
 from tests.rlmctl.conftest import rlmctl
 from tests.slurm.slurm_rig import (
+    ACCOUNT,
     CHECK_TAGS,
     COMPUTE,
     HEALTH_INTERVAL_S,
     NODES,
     PACED_ENV,
+    QOS,
     SITE_TAGS,
     SLOT,
     SLURM_TAGS,
@@ -132,6 +134,61 @@ def test_a_job_runs_on_compute_nodes_and_sacct_records_it(cluster: Cluster) -> N
             break
         time.sleep(1)
     assert state == "COMPLETED"
+
+
+def test_the_sites_account_and_qos_are_in_the_accounting_database(cluster: Cluster) -> None:
+    """slurm_accounts / slurm_qos through sacctmgr (the rerun above changed nothing)."""
+    assert cluster.first.rc == 0
+    rows = cluster.rig.exec(
+        "node1",
+        "sacctmgr --noheader --parsable2 show associations "
+        f"account={ACCOUNT} format=Account,User,QOS,DefaultQOS",
+    ).stdout.split()
+    found = {tuple(row.split("|")[:2]): row.split("|")[2:] for row in rows}
+    assert set(found) == {(ACCOUNT, ""), (ACCOUNT, "rlm")}, rows
+    qos_list, default_qos = found[(ACCOUNT, "rlm")]
+    assert (sorted(qos_list.split(",")), default_qos) == (sorted(["normal", QOS]), "normal"), rows
+    qos = cluster.rig.exec(
+        "node1", f"sacctmgr --noheader --parsable2 show qos {QOS} format=MaxWall"
+    )
+    assert qos.stdout.split() == ["7-00:00:00"]
+
+
+def test_jobs_lock_memory_without_limit_and_a_requeue_waits_cred_expire(cluster: Cluster) -> None:
+    """PropagateResourceLimitsExcept=MEMLOCK: a job started from a shell with a 64 KiB memlock
+    limit gets slurmd's (unlimited, for RDMA). A requeued job is held cred_expire + 1 s
+    (BeginTime), the role's 60 s rather than Slurm's 120 s."""
+    assert cluster.first.rc == 0
+    rig = cluster.rig
+    out = rig.exec("node1", "ulimit -l 64; srun --nodes=1 sh -c 'hostname; ulimit -l'", timeout=120)
+    host, job_limit = out.stdout.split()
+    limits = rig.exec(host, "cat /proc/$(pgrep -xo slurmd)/limits").stdout
+    slurmd_limit = next(line.split()[3] for line in limits.splitlines() if "locked memory" in line)
+    # /proc says bytes, ulimit KiB; the packages' unit starts slurmd with LimitMEMLOCK=infinity.
+    assert job_limit == (
+        "unlimited" if slurmd_limit == "unlimited" else str(int(slurmd_limit) // 1024)
+    )
+    assert job_limit != "64"
+    job = rig.exec("node1", "sbatch --parsable --nodes=1 --output=/dev/null --wrap 'sleep 600'")
+    job_id = job.stdout.strip()
+    try:
+        wait_for(lambda: job_state(cluster, job_id) == "RUNNING", 60, f"job {job_id} to run")
+        requeued_at = int(rig.exec("node1", "date +%s").stdout)  # the controller's clock
+        rig.exec("node1", f"scontrol requeue {job_id}")
+
+        def held_until() -> str:
+            fields = dict(
+                field.split("=", 1)
+                for field in rig.exec("node1", f"scontrol show job {job_id} -o").stdout.split()
+                if "=" in field
+            )
+            return fields["StartTime"] if fields.get("Reason") == "BeginTime" else ""
+
+        start = wait_for(held_until, 60, f"job {job_id} held after its requeue")
+        held_s = int(rig.exec("node1", f"date -d {start} +%s").stdout) - requeued_at
+        assert 55 <= held_s <= 75, held_s
+    finally:
+        rig.exec("node1", f"scancel {job_id}", check=False)
 
 
 CONFIG = str(REPO / "trainer/configs/tiny.yaml")

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import json
 import math
 import os
+import re
 import resource
 import signal
 import threading
@@ -23,7 +25,7 @@ import torch
 from tests.trainer.file_opens import opened_files
 from trainer.distributed import DistEnv
 from trainer.hooks import HOOKS_ENV, TrainHooks
-from trainer.rundir import append_jsonl, checkpoint_dir_name
+from trainer.rundir import append_jsonl
 
 FAULTS_ENV = "RLM_TEST_FAULTS"
 
@@ -40,14 +42,23 @@ class Faults(TrainHooks):
     ledger: bool = False
     # This rank hangs before the startup check, like a stuck worker; SIGTERM still ends it.
     stall_rank: int = -1
-    # This rank gets an I/O error reading model.pt of the checkpoint at this step (a bad disk
-    # block, a stale network-filesystem handle): the other ranks read it fine.
+    # This rank gets an I/O error reading the checkpoint files that match one of these globs
+    # (relative to run_dir/checkpoints, e.g. "step-00000004/dcp/*.distcp"): a bad disk block, a
+    # stale network-filesystem handle. The other ranks read them fine.
     read_error_rank: int = -1
-    read_error_step: int = -1
+    read_error_files: tuple[str, ...] = ()
+    # This rank's writes of its shard files (sharded checkpoints) at these steps fail with ENOSPC,
+    # as on a full disk or an exhausted quota of the filesystem that rank writes to.
+    write_error_rank: int = -1
+    write_error_steps: tuple[int, ...] = ()
     # This rank dies by SIGKILL when its checkpoint save reaches this phase, e.g.
     # "shards-written:4" (trainer/checkpoint.py names the phases).
     kill_rank: int = -1
     kill_phase: str = ""
+    # When rank 0's save reaches this phase (e.g. "tmp-created" of an async save), it writes the
+    # file `stall_marker` and blocks for good, like a save stuck on a hung filesystem.
+    stall_phase: str = ""
+    stall_marker: str = ""
     # Before every step each rank appends to run_dir/memory-rank<r>.jsonl its resident memory
     # just before the model was built and its peak resident memory so far (the kernel's figures).
     memory: bool = False
@@ -97,17 +108,25 @@ class Faults(TrainHooks):
         return self._first_step
 
     def on_checkpoint_read(self, rank: int, path: Path) -> None:
-        step_dir = checkpoint_dir_name(self.read_error_step)
-        if (
-            rank == self.read_error_rank
-            and path.parent.name == step_dir
-            and path.name == "model.pt"
-        ):
+        if rank != self.read_error_rank or "checkpoints" not in path.parts:
+            return
+        inside = "/".join(path.parts[path.parts.index("checkpoints") + 1 :])
+        if any(fnmatch.fnmatch(inside, pattern) for pattern in self.read_error_files):
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+    def on_checkpoint_write(self, rank: int, path: Path) -> None:
+        if rank != self.write_error_rank:
+            return
+        saving = re.search(r"step-(\d{8})", str(path))
+        if saving and int(saving.group(1)) in self.write_error_steps:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     def on_checkpoint_phase(self, rank: int, phase: str) -> None:
         if rank == self.kill_rank and phase == self.kill_phase:
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 0 and phase == self.stall_phase:
+            Path(self.stall_marker).write_text(phase)
+            threading.Event().wait()
 
     def loss(self, loss: torch.Tensor, cursor: int, global_batch: int) -> torch.Tensor:
         if getattr(self, "rank", None) == self.slow_rank:
@@ -133,5 +152,6 @@ def faults_env(**faults: object) -> dict[str, str]:
 
 def from_env() -> Faults:
     values = json.loads(os.environ[FAULTS_ENV])
-    tuples = {name: tuple(values[name]) for name in ("nan_steps", "overflow_steps")}
+    names = ("nan_steps", "overflow_steps", "write_error_steps", "read_error_files")
+    tuples = {name: tuple(values[name]) for name in names}
     return Faults(**{**values, **tuples})

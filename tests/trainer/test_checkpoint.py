@@ -273,6 +273,25 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(
     assert step_dirs(tmp_path) == ["step-00000001", "step-00000002"]  # nothing deleted
 
 
+def test_a_manifest_that_cannot_be_read_skips_that_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An OSError other than "missing" reading manifest.json (here EISDIR; EIO in production)
+    crashed rank 0 while it listed the candidates, and the other ranks waited for its list."""
+    mgr = manager(tmp_path, keep_last=0)
+    mgr.save(1, trained_state(1))
+    mgr.save(2, trained_state(2))
+    manifest = tmp_path / "checkpoints" / "step-00000002" / MANIFEST_NAME
+    manifest.unlink()
+    manifest.mkdir()  # reading it raises IsADirectoryError, an OSError
+    info = verify_checkpoint(manifest.parent)
+    assert not info.valid and info.reason.startswith("cannot read manifest.json"), info
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert manager(tmp_path).load()["progress"]["step"] == 1
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "step-00000002" in warning and "cannot read manifest.json" in warning, warning
+
+
 def test_flipped_byte_is_not_seen_by_size_verification(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.trainer.training_runs import REPO, TINY
 from trainer.config import (
@@ -141,3 +142,37 @@ def test_fault_injection_is_not_configuration(override: str) -> None:
     with pytest.raises(ConfigError, match="unknown") as info:
         load_config(TINY, [override])
     assert "\n" not in str(info.value)
+
+
+# GPU memory of the kinds inventory/example names (group comments): an MI250X GCD (the compute_amd
+# group allows MI250X or MI300X; the smaller one), an H100 SXM.
+EXAMPLE_GPU_GIB = {"compute_amd": 64.0, "compute_nvidia": 80.0}
+
+
+def test_the_shipped_3_5b_config_uses_the_layout_the_plan_picks_for_the_example_inventory() -> None:
+    """It was DDP with full checkpoints, which does not fit a 64 GB MI250X GCD (`rlmctl plan`
+    knew). Now: the plan's pick for the smallest GPU of the example inventory, fitting all."""
+    from rlmctl import plan
+
+    cfg = load_config(REPO / "trainer" / "configs" / "huginn-3.5b.yaml")
+    example = REPO / "inventory" / "example"
+    hosts = yaml.safe_load((example / "hosts.yml").read_text())["all"]["children"]
+    compute = hosts["compute"]["children"]
+    for group, gpu_gib in EXAMPLE_GPU_GIB.items():
+        per_node = yaml.safe_load((example / "group_vars" / f"{group}.yml").read_text())[
+            "rlm_gpus_per_node"
+        ]
+        gpus = len(compute[group]["hosts"]) * per_node
+        estimate = plan.estimate(
+            cfg.preset, None, gpu_gib, cfg.model.max_seq_len, cfg.train.micro_batch, gpus, per_node
+        )
+        (row,) = [
+            e
+            for e in estimate.estimates
+            if e.activation_checkpointing == cfg.model.activation_checkpointing
+        ]
+        needed = row.layouts.per_gpu_gib[cfg.parallel.strategy]
+        assert needed <= estimate.usable_gib, (group, needed, estimate.usable_gib)
+        if gpu_gib == min(EXAMPLE_GPU_GIB.values()):
+            assert row.layouts.pick == cfg.parallel.strategy, (group, row.layouts)
+    assert cfg.checkpoint.format == "sharded" and cfg.checkpoint.async_save

@@ -157,6 +157,18 @@ def test_fp16_peak_on_cpu_is_not_below_what_a_linear_layer_achieves() -> None:
     assert probe >= 0.5 * achieved, (probe, achieved)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_autocast_peak_on_cpu_is_not_below_fp32(dtype: torch.dtype) -> None:
+    """fp16 MFU on CPU still read ~400 %: under autocast a step runs fp32 matmuls too (the loss
+    head over the fp32 stream, anything autocast leaves in fp32), and on a CPU without fast
+    fp16 kernels those run 10-60x faster than the fp16 probe (measured here: F.linear 1024^3
+    fp16 1.1-4.7 GFLOP/s, fp32 80). The peak of a mixed step is the fastest of its dtypes."""
+    peak, source = peak_flops(torch.device("cpu"), dtype)
+    fp32 = measure_gemm_flops(torch.float32, seconds=0.2)
+    assert peak >= 0.5 * fp32, (peak, fp32, source)
+    assert "float32" in source and str(dtype).removeprefix("torch.") in source, source
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     with torch.no_grad():

@@ -277,6 +277,36 @@ def test_compiled_rope_real_formula_equals_the_eager_complex_one() -> None:
     torch.testing.assert_close(compiled(x, cos, sin), apply_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_rope_refuses_tables_narrower_than_fp32(compiled: bool) -> None:
+    """A cast of the tables to bf16 (FSDP's cast_forward_inputs, `model.to(bfloat16)`) must never
+    pass silently: eager, and traced by dynamo (the real formula), it raises. The matrix in
+    test_production_matrix.py trains every strategy with the real compiler behind this check."""
+    cos, sin = rope_cache(head_dim=16, seq_len=12, base=10000.0)
+    x = torch.randn(2, 12, 2, 4, 16, generator=torch.Generator().manual_seed(0))
+    rope = torch.compile(apply_rope, backend="eager") if compiled else apply_rope
+    assert rope(x.bfloat16(), cos, sin).dtype == torch.bfloat16  # bf16 activations are fine
+    with pytest.raises(RuntimeError, match=r"RoPE tables arrived in torch\.bfloat16"):
+        rope(x, cos.bfloat16(), sin.bfloat16())
+
+
+def test_bf16_weights_keep_the_residual_stream_and_rope_in_fp32(model: RecurrentLM) -> None:
+    """Under FSDP the blocks compute with bf16 copies of the weights (MixedPrecisionPolicy's
+    param_dtype) instead of autocast's: the stream still starts fp32 at the embedding and the
+    loss equals the one of fp32 weights under the same bf16 autocast up to the weights' rounding."""
+    ids = batch(2, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = model(ids, labels=ids, num_steps=2, state_seeds=[0, 1]).loss
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.embed_tokens(ids).dtype == torch.float32
+        loss = model(ids, labels=ids, num_steps=2, state_seeds=[0, 1]).loss
+    assert model.rope_cos.dtype == torch.float32
+    torch.testing.assert_close(loss, reference, rtol=5e-4, atol=0)  # measured 8e-5
+
+
 def test_qk_bias_add_promotes_without_an_fp32_copy_and_reaches_fp32_bias(model) -> None:
     attn = model.core[0].attn
     with torch.no_grad():

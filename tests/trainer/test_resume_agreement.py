@@ -41,7 +41,9 @@ def test_read_error_on_rank_1_makes_both_ranks_fall_back_together(
     args = overrides(
         prepared_data, run.path, "train.steps=6", "checkpoint.interval_steps=2", *KEEP_SCHEDULE
     )
-    faults = faults_env(ledger=True, read_error_rank=1, read_error_step=4)
+    faults = faults_env(
+        ledger=True, read_error_rank=1, read_error_files=("step-00000004/model.pt",)
+    )
     result = torchrun(2, "--config", str(TINY), *args, timeout=300, env=faults)
     assert result.returncode == 0, result.stderr[-3000:]
     # Both ranks trained steps 2..5 (0-based): the same step, the same global batches.

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.training_runs import REPO, TINY, cli_env, overrides, run_cli, start_training
+from tests.trainer.training_runs import (
+    REPO,
+    TINY,
+    cli_env,
+    overrides,
+    run_cli,
+    start_training,
+    torchrun,
+)
 from trainer.rundir import RunDir, RunState
 
 
@@ -79,6 +87,11 @@ def test_a_stale_lock_of_a_dead_trainer_is_taken_over(prepared_data: Path, tmp_p
     assert run.state() is RunState.DONE
 
 
+def refusals(run: RunDir) -> list[tuple[str, dict]]:
+    """The events a refused start appended: start_refused, then exit (no state)."""
+    return [(e.kind, e.fields) for e in run.events() if e.kind in ("start_refused", "exit")]
+
+
 def test_a_failed_resume_leaves_a_finished_run_as_it_was(
     prepared_data: Path, tmp_path: Path
 ) -> None:
@@ -89,9 +102,51 @@ def test_a_failed_resume_leaves_a_finished_run_as_it_was(
     one_error_line(wrong_step, 2, "checkpoint.resume")
     other_shape = train(prepared_data, run.path, "train.steps=5", "model.d_model=96")
     # names the first tensor that differs, both shapes, and the way out
-    one_error_line(other_shape, 2, "embedding.weight", "96", "checkpoint.resume=never")
+    line = one_error_line(other_shape, 2, "embedding.weight", "96", "checkpoint.resume=never")
     assert {n: (run.path / n).read_bytes() for n in before} == before
     assert run.state() is RunState.DONE and run.status().step == 3
+    # Each refusal: start_refused with the code and the error line, and its exit (no state).
+    kinds = [(kind, fields["exit_code"]) for kind, fields in refusals(run)]
+    assert kinds == [("exit", 0), *[("start_refused", 2), ("exit", 2)] * 2], kinds
+    assert refusals(run)[-2][1]["reason"] == line.removeprefix("error: ")
+    assert all(fields.get("state") is None for _, fields in refusals(run)[1:])
+
+
+def launched_run(run: Path) -> RunDir:
+    """A run directory as `rlmctl launch` leaves it before any trainer started."""
+    made = RunDir(run).create_exclusive("# config\n", {"inventory": "test", "created": time.time()})
+    assert made.record("launched", hosts=["localhost"])
+    return made
+
+
+def test_a_refused_start_never_moves_a_launching_run(prepared_data: Path, tmp_path: Path) -> None:
+    """A bad checkpoint.resume on a run rlmctl just launched rewrote status.json to failed at
+    step 0 and moved the run to failed through its exit event; the launcher must decide."""
+    run = launched_run(tmp_path / "run")
+    result = train(prepared_data, run.path, "train.steps=3", "checkpoint.resume=step-00000099")
+    line = one_error_line(result, 2, "checkpoint.resume=step-00000099")
+    assert not run.status_path.exists()
+    assert run.state() is RunState.LAUNCHING
+    (refused, exited) = refusals(run)
+    assert refused == ("start_refused", {"exit_code": 2, "reason": line.removeprefix("error: ")})
+    assert exited == ("exit", {"exit_code": 2, "state": None, "step": None})
+
+
+def test_a_data_error_under_torchrun_is_exit_3_from_the_worker_and_one_refusal(
+    prepared_data: Path, tmp_path: Path
+) -> None:
+    """torchrun turns every failed worker into its own exit 1; the worker's code (3: a restart
+    cannot help) reaches the launcher through the run directory, once (rank 0 writes it)."""
+    run = launched_run(tmp_path / "run")
+    missing = tmp_path / "no-such-data"
+    args = [*overrides(prepared_data, run.path, "train.steps=3"), f"data.path={missing}"]
+    result = torchrun(2, "--config", str(TINY), *args, timeout=180)
+    assert result.returncode != 0
+    assert "exitcode  : 3 " in result.stderr, result.stderr[-3000:]  # torchrun names the code
+    errors = [x for x in result.stderr.splitlines() if x.startswith("error: ")]
+    assert errors and all(f"data.path {missing} does not exist" in x for x in errors), errors
+    assert not run.status_path.exists() and run.state() is RunState.LAUNCHING
+    assert [(k, f["exit_code"]) for k, f in refusals(run)] == [("start_refused", 3), ("exit", 3)]
 
 
 def test_no_usable_checkpoint_is_not_a_silent_restart(prepared_data: Path, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import pickle
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.trainer.faults import Faults, faults_env
@@ -118,6 +119,20 @@ def test_sharded_save_hashes_while_writing_and_reads_nothing_back(tmp_path: Path
         assert verify_checkpoint(path, full=True).valid
 
 
+def test_a_sharded_save_checks_free_space_before_writing(tmp_path: Path) -> None:
+    """checkpoint.min_free_bytes (and a disk too small for the state) were checked for full
+    saves only: a sharded save started writing into a disk it could not fit on."""
+    run = RunDir(tmp_path / "run").create()
+    cfg = CheckpointConfig(format="sharded", min_free_bytes=10**18)
+    store = CheckpointStore(run, cfg, 0, 1)
+    assert not store.save(1, one_rank_state())
+    store.wait()
+    assert store.failures == 1
+    assert list(run.checkpoints_dir.iterdir()) == []  # nothing written, no temp directory
+    (event,) = [e for e in run.events() if e.kind == "checkpoint_failed"]
+    assert "needs about" in event.fields["error"] and "free" in event.fields["error"], event
+
+
 def test_async_sharded_save_writes_the_tensors_as_they_were_at_save(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run").create()
     state = one_rank_state()
@@ -223,8 +238,9 @@ def test_each_rank_reads_only_its_own_shards_at_resume(prepared_data: Path, tmp_
     assert len(generation.tokens) == 4, generation
 
 
-def test_sigkill_during_async_sharded_save_keeps_the_previous_checkpoint(
-    prepared_data: Path, tmp_path: Path
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_sigkill_of_one_rank_during_a_sharded_save_keeps_the_previous_checkpoint(
+    prepared_data: Path, tmp_path: Path, async_save: bool
 ) -> None:
     run = RunDir(tmp_path / "run")
     args = overrides(
@@ -232,17 +248,23 @@ def test_sigkill_during_async_sharded_save_keeps_the_previous_checkpoint(
         run.path,
         "train.steps=4",
         "parallel.strategy=fsdp",
-        "checkpoint.async_save=true",
+        f"checkpoint.async_save={str(async_save).lower()}",
         *SHARDED,
     )
     # Rank 1 dies after writing its shards of step 4, before rank 0 can publish them.
     faults = faults_env(kill_rank=1, kill_phase="shards-written:4")
     result = torchrun(2, "--config", str(TINY), *args, timeout=300, env=faults)
     assert result.returncode != 0
+    # Rank 0 finds its peer gone and records the truth: failed, restartable.
+    status = run.status()
+    assert status.state.value == "failed" and status.exit_code == ExitCode.FAILED, status
+    assert [e.fields["exit_code"] for e in run.events() if e.kind == "exit"] == [1]
     assert [c.step for c in run.checkpoints()] == [2]
     assert verify_checkpoint(run.checkpoint_path(2), full=True).valid
-    leftovers = [p.name for p in run.checkpoints_dir.iterdir() if p.name.startswith(".tmp-")]
-    assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-step-00000004"), leftovers
+    # Rank 0 gave the save up and removed its hidden temp directory.
+    assert not [p.name for p in run.checkpoints_dir.iterdir() if p.name.startswith(".tmp-")]
+    (line,) = [x for x in result.stderr.splitlines() if "checkpoint step-00000004 not saved" in x]
+    assert "lost its peers" in line, line
 
     in_process(prepared_data, run.path, "train.steps=4", *SHARDED)
     assert [c.step for c in run.checkpoints() if c.valid] == [2, 4]
