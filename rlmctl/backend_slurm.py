@@ -229,6 +229,7 @@ class Backend:
             run_dir=str(run.path),
             exclude=placement.exclude,
             resume_from=attempt.resume_from,
+            overrides=list(attempt.overrides),
         )
 
     def commands(self, run: RunDir, placement: Placement, attempt: Attempt) -> dict[str, str]:

@@ -70,6 +70,7 @@ def render(
     run_dir: str | None = None,
     exclude: list[str] | None = None,
     resume_from: str | None = None,
+    overrides: list[str] | None = None,
 ) -> str:
     if run_dir is None and not config.is_file():  # a launch writes it into run_dir first
         raise RlmctlError(f"config file {config} does not exist; pass --config FILE")
@@ -134,6 +135,7 @@ argv[3:3] = ["--nnodes", env["SLURM_JOB_NUM_NODES"], "--rdzv-id", env["SLURM_JOB
 argv.append("run_dir=" + env["RUN_DIR"])
 if env.get("RLM_RESUME"):
     argv.append("checkpoint.resume=" + env["RLM_RESUME"])
+argv += {list(overrides or [])!r}
 signalled = False
 child = subprocess.Popen(argv)
 

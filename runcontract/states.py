@@ -48,6 +48,7 @@ class EventKind(str, Enum):
     FAILURE = "failure"  # watch saw the attempt fail (reason, exit code, step, where)
     EXCLUDED = "excluded"  # hosts left out of the next attempt
     GAVE_UP = "gave_up"  # watch: not restartable, or the restart budget is used up
+    CHECKPOINT_INTERVAL = "checkpoint_interval"  # watch chose the interval of later attempts
     # the trainer
     START = "start"  # set up, begins (or continues) training
     START_REFUSED = "start_refused"  # refused to start (config, checkpoint.resume, data, lock)
