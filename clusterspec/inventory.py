@@ -78,7 +78,11 @@ class Host:
     accept_thresholds: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     scheduler: str = default("rlm_scheduler")  # "ssh" or "slurm": what starts the trainer
     gpu_memory_gib: float | None = None  # rlm_gpu_memory_gib: launch checks the memory estimate
-    service_user: str = default("rlm_service_user")  # who Slurm jobs run as (never root)
+    # The shared directory's owner, filesystem and free-space floor (clusterspec/shared_dir.py);
+    # the owner is also who Slurm jobs run as (never root).
+    service_user: str = default("rlm_service_user")
+    shared_fs: str = default("rlm_shared_fs")
+    shared_min_free_gib: float = default("rlm_shared_min_free_gib")
     # rlm_slurm_account, _qos, _reservation, _constraint, _sbatch_options, _partition_options as
     # the inventory has them (keys without the rlm_slurm_ prefix); rlmctl.slurm checks them.
     slurm_site: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
@@ -454,6 +458,8 @@ def _host(host: Any, variables: Any, loader: Any, source: Path, ssh: SshSettings
         slurm_site={key: var(f"rlm_slurm_{key}") for key in SLURM_SITE_KEYS},
         container_image=str(var("rlm_container_image")) if var("rlm_container_image") else None,
         container_options=_string_list(host.name, "rlm_container_options", var, source),
+        shared_fs=str(var("rlm_shared_fs")),
+        shared_min_free_gib=float(var("rlm_shared_min_free_gib")),
     )
 
 

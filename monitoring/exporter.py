@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from clusterspec.variables import default
+from monitoring import goodput as goodput_series
 from monitoring import gpu
 from trainer.rundir import RunDir
 
@@ -249,6 +250,8 @@ class RunSnapshot:
     checkpoint_step: int | None = None
     checkpoint_mtime: float | None = None
     exit_codes: list[int] = field(default_factory=list)  # of the newest attempt
+    goodput: dict[str, Any] | None = None  # runcontract.goodput, as of a moment ago
+    ranks: dict[str, Any] | None = None  # this host's ranks and the stragglers (ranks.json)
     logs_updated: float | None = None  # newest mtime of the launcher logs and metrics.jsonl
     # Run files that exist but cannot be read or parsed (status.json, events.jsonl): counted as
     # errors and exported, since the run then shows with no state and nothing else can fire.
@@ -329,6 +332,7 @@ class RunProbe:
         self.run_roots = run_roots
         self.run_dirs = run_dirs
         self.errors = errors
+        self.goodput = goodput_series.GoodputReader()
 
     def __call__(self) -> list[RunSnapshot]:
         snapshots = []
@@ -343,7 +347,9 @@ class RunProbe:
                 self.errors.count("rundir", f"cannot read {name} of run directory {path}")
             snapshots.append(snapshot)
         now = time.time()
-        return [s for s in snapshots if is_visible(s, now)]
+        visible = [s for s in snapshots if is_visible(s, now)]
+        self.goodput.add_to(visible, self.run_roots, self.run_dirs)
+        return visible
 
 
 # Shared filesystem ------------------------------------------------------------------------------
@@ -724,6 +730,7 @@ class RlmCollector(Collector):
         yield from status_gauges.values()
         yield from (restarts, failures, checkpoint_step, checkpoint_age, exit_code)
         yield from (logs_updated, unreadable)
+        yield from goodput_series.families(snapshots)
 
     def _filesystem_metrics(self) -> Iterator[Metric]:
         if self.filesystem is None:

@@ -58,6 +58,7 @@ class Verdict:
     criteria: list[Criterion]
     report: str | None = None
     plots: list[str] = field(default_factory=list)
+    goodput: dict[str, Any] | None = None  # where the wall time went (runcontract.goodput)
 
     @property
     def accepted(self) -> bool:
@@ -75,6 +76,7 @@ class Verdict:
             "not_checked": self.not_checked,
             "report": self.report,
             "plots": self.plots,
+            "goodput": self.goodput,
         }
 
 
@@ -389,6 +391,14 @@ def nonfinite_steps(data: RunData, t: dict[str, Any]) -> Criterion:
     )  # fmt: skip
 
 
+def goodput_share(data: RunData, t: dict[str, Any]) -> Criterion:
+    from rlmctl import goodput
+
+    threshold, measured, verdict, reason = goodput.criterion(data.run_dir, t)
+    source = "events.jsonl, metrics.jsonl (runcontract.goodput)"
+    return Criterion("goodput", threshold, measured, verdict, source, reason)
+
+
 RUN_DIR_CRITERIA: tuple[Callable[[RunData, dict[str, Any]], Criterion], ...] = (
     tflops_per_gpu,
     loss_falling,
@@ -399,6 +409,7 @@ RUN_DIR_CRITERIA: tuple[Callable[[RunData, dict[str, Any]], Criterion], ...] = (
     checkpoints_ok,
     logs_present,
     nonfinite_steps,
+    goodput_share,
 )
 
 
@@ -666,7 +677,9 @@ def evaluate(
     started = data.events[0]["time"] if data.events else time.time()
     criteria += prometheus_criteria(prometheus_url, run, time.time() - started, t, cpu)
     criteria += health_criteria(health_report, health_source)
-    return Verdict(run, criteria)
+    from runcontract.goodput import goodput
+
+    return Verdict(run, criteria, goodput=goodput(run_dir).to_dict())
 
 
 # -- the report --------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ class Attempt:
 
     kind: str  # "launch" or "resume"
     resume_from: str | None = None
+    overrides: tuple[str, ...] = ()  # config overrides of this attempt (a chosen interval)
 
 
 @dataclass(frozen=True)

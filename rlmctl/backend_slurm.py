@@ -264,6 +264,7 @@ class Backend:
             site=batch_script.SiteOptions.of(placement.template, placement.site),
             segment=segment,
             segments=segments,
+            overrides=list(attempt.overrides),
         )
 
     def commands(self, run: RunDir, placement: Placement, attempt: Attempt) -> dict[str, str]:

@@ -209,6 +209,7 @@ class Backend:
         hosts = placement.hosts
         rdzv_id = f"{run.name}-{number}-{secrets.token_hex(3)}"
         overrides = [f"checkpoint.resume={attempt.resume_from}"] if attempt.resume_from else []
+        overrides += attempt.overrides  # e.g. watch's checkpoint.interval_steps on a restart
         configs = {
             host.name: host_start_config(
                 host, run, trainer_argv(host, hosts, run, rdzv_id, overrides)

@@ -22,6 +22,9 @@ import typer
 from rlmctl import render
 from rlmctl.context import Context, Site
 from rlmctl.errors import InventoryError, RlmctlError, RunNotFound
+from rlmctl.wheelhouse import command as wheelhouse_command
+from runcontract.stragglers import DEFAULT_MARGIN as STRAGGLER_MARGIN
+from runcontract.stragglers import DEFAULT_WINDOWS as STRAGGLER_WINDOWS
 
 app = typer.Typer(
     name="rlmctl",
@@ -423,6 +426,29 @@ def watch(
     backoff: Annotated[
         float, typer.Option(help="Seconds before the first restart (doubles).")
     ] = 10.0,
+    checkpoint_interval: Annotated[
+        str,
+        typer.Option(
+            help="On a restart: keep the interval, `auto` (Young/Daly from the measured failure "
+            "rate and checkpoint stall), or a number of steps."
+        ),
+    ] = "keep",
+    max_checkpoint_interval: Annotated[
+        int | None,
+        typer.Option(
+            help="Most steps auto may pick (default 1000; at most the go-live limit).", min=1
+        ),
+    ] = None,
+    exclude_stragglers: Annotated[
+        bool, typer.Option(help="On a restart, leave out the hosts of persistent stragglers.")
+    ] = False,
+    straggler_margin: Annotated[
+        float,
+        typer.Option(help="A straggler's own step time exceeds its peers' by this share.", min=0),
+    ] = STRAGGLER_MARGIN,
+    straggler_windows: Annotated[
+        int, typer.Option(help="...in each of this many metrics windows.", min=1)
+    ] = STRAGGLER_WINDOWS,
     json_output: Annotated[
         bool,
         typer.Option(
@@ -435,8 +461,21 @@ def watch(
     """Supervise a run: fail fast on a dead process, lost host or hang; restart when it can help."""
     from rlmctl import lifecycle
 
+    if checkpoint_interval not in ("keep", "auto") and not checkpoint_interval.isdigit():
+        raise RlmctlError(
+            f"--checkpoint-interval {checkpoint_interval!r} must be keep, auto or a number of "
+            "steps, e.g. --checkpoint-interval auto"
+        )
     policy = lifecycle.WatchPolicy(
-        poll_s=poll, stall_s=stall, max_restarts=restarts, backoff_s=backoff
+        poll_s=poll,
+        stall_s=stall,
+        max_restarts=restarts,
+        backoff_s=backoff,
+        checkpoint_interval=checkpoint_interval,
+        max_interval=max_checkpoint_interval,
+        exclude_stragglers=exclude_stragglers,
+        straggler_margin=straggler_margin,
+        straggler_windows=straggler_windows,
     )
     say = render.say()
     if json_output:
@@ -515,6 +554,7 @@ def checkpoints(
 # plan / slurm / demo ------------------------------------------------------------------------------
 @app.command()
 def plan(
+    ctx: typer.Context,
     model: Annotated[
         str | None, typer.Option(help="Model preset (tiny, small, 1b, huginn-3.5b).")
     ] = None,
@@ -528,17 +568,75 @@ def plan(
     micro_batch: Annotated[int, typer.Option(help="Sequences per GPU per forward.")] = 1,
     gpus: Annotated[int, typer.Option(help="GPUs of the job (for the layout choice).")] = 8,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node (hsdp shard group).")] = 8,
+    nodes: Annotated[
+        int, typer.Option(help="Nodes of the job (for the checkpoint interval).", min=1)
+    ] = 1,
+    node_mtbf_hours: Annotated[
+        float | None,
+        typer.Option(
+            help="Mean hours between failures of one node: prints the checkpoint interval."
+        ),
+    ] = None,
+    step_time: Annotated[float | None, typer.Option(help="Seconds per optimizer step.")] = None,
+    checkpoint_stall: Annotated[
+        float | None, typer.Option(help="Seconds a checkpoint save blocks training.")
+    ] = None,
+    restart_cost: Annotated[
+        float | None, typer.Option(help="Seconds from a failure to training again.")
+    ] = None,
+    from_run: Annotated[
+        str | None,
+        typer.Option(help="Take step time, checkpoint stall and restart cost measured by a run."),
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Memory per GPU (weights, grads, optimizer, activations) → minimum GPUs, micro-batch, and
-    the cheapest of ddp / hsdp / fsdp / offload that fits on --gpus."""
+    the cheapest of ddp / hsdp / fsdp / offload that fits on --gpus; with --node-mtbf-hours, the
+    checkpoint interval that maximises goodput on --nodes nodes (Young/Daly)."""
+    from rlmctl import goodput
     from rlmctl import plan as planning
 
-    estimate = planning.estimate(model, params, gpu_mem, seq_len, micro_batch, gpus, gpus_per_node)
+    records: list[object] = []
+    if model is not None or params is not None or node_mtbf_hours is None:
+        records.append(
+            planning.estimate(model, params, gpu_mem, seq_len, micro_batch, gpus, gpus_per_node)
+        )
+    if node_mtbf_hours is not None:
+        if node_mtbf_hours <= 0:
+            raise RlmctlError(f"--node-mtbf-hours {node_mtbf_hours} must be > 0, e.g. 50000")
+        measured = None
+        if from_run is not None:
+            with Context(_site(ctx), readonly=True) as session:
+                measured = goodput.measured(session.run(from_run))
+        stall = checkpoint_stall if checkpoint_stall is not None else measured and measured.stall_s
+        if not stall or stall <= 0:
+            raise RlmctlError(
+                "the checkpoint interval needs the checkpoint stall: pass --checkpoint-stall "
+                "SECONDS, or --from-run RUN with a checkpoint saved"
+            )
+        step = step_time if step_time is not None else measured and measured.step_time_s
+        restart = restart_cost if restart_cost is not None else measured and measured.restart_s
+        records.append(
+            goodput.plan_interval(
+                nodes,
+                node_mtbf_hours,
+                stall,
+                restart or 0.0,
+                step or None,
+                (measured.write_s or 0.0) if measured else 0.0,
+                measured.async_save if measured else False,
+                source=f"measured by run {from_run}" if measured else "given",
+            )
+        )
     if json_output:
-        render.emit_json(estimate)
+        render.emit_json(records[0] if len(records) == 1 else records)
     else:
-        render.plan(estimate)
+        for record in records:
+            if isinstance(record, goodput.IntervalPlan):
+                for text in record.lines():
+                    render.line(text)
+            else:
+                render.plan(record)  # type: ignore[arg-type]
 
 
 @app.command()
@@ -606,6 +704,10 @@ def demo(
     if json_output:
         render.emit_json(outcome)
     raise typer.Exit(outcome["exit_code"])
+
+
+# The offline wheelhouse builder (rlmctl/wheelhouse.py): needs no inventory.
+app.command("wheelhouse")(wheelhouse_command)
 
 
 # entry point --------------------------------------------------------------------------------------

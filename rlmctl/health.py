@@ -26,10 +26,9 @@ from rlmctl.remote import Fleet, Result, python_command
 OK, WARN, CRIT, UNKNOWN = "OK", "WARN", "CRIT", "UNKNOWN"
 SEVERITY = {OK: 0, UNKNOWN: 1, WARN: 2, CRIT: 3}
 
-# disk ≥ 95 % CRIT is the fleet practice in facts.md; the rest are this project's choices.
+# This project's choices; the shared directory's (disk use, free-space floor) are
+# clusterspec/shared_dir.py's, which playbooks/verify.yml applies too.
 THRESHOLDS: dict[str, float] = {
-    "disk_warn_pct": 90,
-    "disk_crit_pct": 95,
     "mem_warn_pct": 10,
     "mem_crit_pct": 5,
     "load_warn_per_cpu": 4.0,
@@ -105,8 +104,10 @@ class Report:
         return {"state": self.state, "hosts": [h.as_dict() for h in self.hosts]}
 
 
-# Shipped with hostcheck.py: the vendor descriptions it imports (stdlib only).
+# Shipped with hostcheck.py: the vendor descriptions and the shared directory's checks it imports
+# (stdlib only).
 SHIPPED_PACKAGES = ("clusterspec", "clusterspec.vendors")
+SHIPPED_MODULES = ("clusterspec.shared_dir",)
 _IMPORTER = """
 import importlib.abc, importlib.util, sys
 
@@ -141,6 +142,9 @@ def _script() -> str:
         for path in sorted(directory.glob("*.py")):
             if path.name != "__init__.py":
                 sources[f"{package}.{path.stem}"] = (path.read_text(encoding="utf-8"), False)
+    for name in SHIPPED_MODULES:
+        path = Path(importlib.import_module(name).__file__)
+        sources[name] = (path.read_text(encoding="utf-8"), False)
     hostcheck = Path(__file__).with_name("hostcheck.py").read_text(encoding="utf-8")
     # A __future__ import must open the script; the shipped modules keep their own.
     hostcheck = hostcheck.replace("from __future__ import annotations\n", "", 1)
@@ -167,6 +171,11 @@ def _write_markers(hosts: list[Host], token: str) -> list[Path]:
 def host_command(host: Host, token: str, with_port: bool = True) -> str:
     config = {
         "shared_dir": host.shared_dir,
+        # A local host is this machine as a one-machine cluster (the demo): its trainers run as
+        # whoever runs rlmctl, and its shared directory is any directory it names.
+        "shared_fs": "none" if host.is_local else host.shared_fs,
+        "service_user": None if host.is_local else host.service_user,
+        "shared_min_free_gib": host.shared_min_free_gib,
         "marker": f"{MARKER_DIR}/health-{token}",
         "token": token,
         "gpus": host.gpus_per_node,

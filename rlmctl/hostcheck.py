@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from clusterspec import vendors
+from clusterspec import shared_dir, vendors
 from clusterspec.vendors.readings import ToolError
 from clusterspec.vendors.topology import judge as topology_judge
 
@@ -56,56 +56,25 @@ def run_tool(argv, timeout=20):
     return done.returncode, done.stdout if done.returncode == 0 else done.stdout + done.stderr
 
 
-def mount_of(path):
-    """(mount point, fstype, source) of the filesystem holding `path`."""
-    best = ("/", "?", "?")
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                point = fields[1].replace("\\040", " ")
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best[0]):
-                    best = (point, fields[2], fields[0])
-    except OSError:
-        pass
-    return best
-
-
 def check_disk(cfg):
-    path, limits = cfg["shared_dir"], cfg["thresholds"]
-    fix_space = "free space under " + path + " (old checkpoints: rlmctl checkpoints RUN)"
-    if not os.path.isdir(path):
-        return check("disk", CRIT, path + " does not exist", "mount the shared filesystem there")
-    probe = os.path.join(path, ".rlmctl-write-test-" + socket.gethostname() + str(os.getpid()))
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"x" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as error:
-        if os.path.exists(probe):
-            os.remove(probe)
-        reason = "full" if error.errno == 28 else "not writable"
-        return check("disk", CRIT, path + " is " + reason + ": " + error.strerror, fix_space)
-    st = os.statvfs(path)
-    total = st.f_blocks * st.f_frsize
-    free = st.f_bavail * st.f_frsize
-    used_pct = 100.0 * (1 - free / total) if total else 100.0
-    detail = f"{path} {used_pct:.0f}% used, {free / 2**30:.1f} GiB free"
-    if used_pct >= limits["disk_crit_pct"]:
-        return check("disk", CRIT, detail + " (full)", fix_space)
-    if used_pct >= limits["disk_warn_pct"]:
-        return check("disk", WARN, detail, fix_space)
-    return check("disk", OK, detail)
+    """The shared directory's properties: clusterspec.shared_dir's verdict, the same one
+    playbooks/verify.yml gives (exists, owned and writable by the service user with its runs/,
+    the filesystem rlm_shared_fs names, free space above the floor, use under the thresholds)."""
+    return shared_dir.inspect(
+        {
+            "path": cfg["shared_dir"],
+            "user": cfg.get("service_user"),
+            "fs": cfg.get("shared_fs", "none"),
+            "min_free_gib": cfg.get("shared_min_free_gib", 0),
+            "thresholds": cfg["thresholds"],
+        }
+    )
 
 
 def check_shared_fs(cfg):
     path = cfg["shared_dir"]
     marker = os.path.join(path, cfg["marker"])
-    point, fstype, source = mount_of(path)
+    point, fstype, source = shared_dir.mount_of(path)
     where = f"{path} on {point} ({fstype} from {source})"
     try:
         with open(marker) as f:
@@ -117,9 +86,7 @@ def check_shared_fs(cfg):
             "shared_fs",
             CRIT,
             where + ": the controller's marker is missing, so this is NOT the shared filesystem",
-            "mount the shared filesystem at "
-            + path
-            + " (e.g. ansible-playbook playbooks/site.yml)",
+            shared_dir.provide_advice(path, cfg.get("shared_fs", "none")),
         )
     return check("shared_fs", OK, where)
 

@@ -26,7 +26,7 @@ from enum import Enum, auto
 from pathlib import Path
 from typing import Any
 
-from rlmctl import plan
+from rlmctl import goodput, plan
 from rlmctl.backend import Attempt, Backend, LaunchRequest, Placement, Probe, Say, Started, quiet
 from rlmctl.context import Context
 from rlmctl.errors import GateRefused, RlmctlError
@@ -43,6 +43,7 @@ from rlmctl.registry import registry_path
 from runcontract.config import Config, check_world_size, dump_yaml, load_config, validate
 from runcontract.errors import UserError
 from runcontract.exitcodes import restartable
+from runcontract.interval import IntervalChoice
 from runcontract.rundir import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -51,6 +52,8 @@ from runcontract.rundir import (
     verify_checkpoint,
 )
 from runcontract.states import EventKind, RunState
+from runcontract.stragglers import DEFAULT_MARGIN as STRAGGLER_MARGIN
+from runcontract.stragglers import DEFAULT_WINDOWS as STRAGGLER_WINDOWS
 
 
 def backend_for(ctx: Context) -> Backend:
@@ -331,6 +334,7 @@ def progress_fields(run: RunDir) -> dict[str, Any]:
         "exit_code": progress.exit_code,
         "checkpoint": checkpoint_row(latest) if latest else None,
         "restarts": run.restarts(),
+        "goodput": goodput.run_view(run, STRAGGLER_MARGIN, STRAGGLER_WINDOWS),
     }
 
 
@@ -527,7 +531,7 @@ def resume_request(
             f"run {name} is still running ({probe.still_running}); stop it first: "
             f"rlmctl stop {name}"
         )
-    attempt = Attempt("resume", resume_from(run, say))
+    attempt = Attempt("resume", resume_from(run, say), tuple(goodput.current_overrides(run)))
     wanted = dataclasses.replace(backend.placement_of(run, exclude), force=force)
     if site:
         if wanted.template.scheduler != "slurm":
@@ -548,11 +552,19 @@ class WatchPolicy:
     max_restarts: int = 3
     backoff_s: float = 10.0  # before the first restart; doubles after each
     stop_timeout_s: float = 60.0
+    # On a restart: `auto` sets checkpoint.interval_steps from the measured failure rate and
+    # checkpoint stall (Young/Daly, rlmctl.goodput.auto_interval), at most `max_interval` steps.
+    checkpoint_interval: str = "keep"
+    max_interval: int | None = None  # None: the seed's 1000 (never beyond the go-live limit)
+    # On a restart: leave out the hosts of persistent stragglers (runcontract.stragglers).
+    exclude_stragglers: bool = False
+    straggler_margin: float = STRAGGLER_MARGIN
+    straggler_windows: int = STRAGGLER_WINDOWS
 
-    def backoff(self, restarts: int) -> float:
-        """Seconds before restart number `restarts` + 1: give a flapping host, node or
-        filesystem time to recover."""
-        return self.backoff_s * 2**restarts
+    def backoff(self, streak: int) -> float:
+        """Seconds before a restart after `streak` earlier failures in a row that kept no new
+        checkpoint: give a flapping host, node or filesystem time to recover."""
+        return self.backoff_s * 2**streak
 
 
 @dataclass(frozen=True)
@@ -560,6 +572,7 @@ class Failure:
     reason: str
     exit_code: int | None  # None: not the trainer's (a hang, a lost host, a preemption)
     probe: Probe
+    preempted: bool = False  # saved and stopped on a signal rlmctl did not send
 
 
 def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: Say) -> int:
@@ -569,10 +582,12 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
     failure names, after the back-off, within the restart budget. Every decision is an event."""
     run = ctx.run(name)
     restarts = 0
+    streak = 0  # failures in a row that saved no new checkpoint: the back-off's exponent
     excluded = {
         h for e in run.events() if e.kind == EventKind.EXCLUDED for h in e.fields.get("hosts", [])
     }
     while True:
+        saved_before = newest_checkpoint_step(run)
         failure = follow(backend, run, policy, say)
         if failure is None:
             return 0
@@ -586,6 +601,7 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
             exit_code=failure.exit_code,
             step=run.status().step,
             nodes=bad,
+            preempted=failure.preempted,
             **failure.probe.ref,
         )
         say(f"failure: {reason}; stopping the rest of the job")
@@ -601,7 +617,16 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
         if new:
             excluded |= set(new)
             run.append_event(EventKind.EXCLUDED, hosts=new, reason=reason)
-        delay = policy.backoff(restarts)
+        if policy.exclude_stragglers:
+            excluded |= exclude_stragglers(ctx, backend, run, excluded, policy, say)
+        if policy.checkpoint_interval != "keep":
+            choose_checkpoint_interval(ctx, run, policy, say)
+        # A month-long run fails many times; only a flapping one (no progress kept between
+        # failures) should wait longer and longer.
+        if newest_checkpoint_step(run) > saved_before:
+            streak = 0
+        delay = policy.backoff(streak)
+        streak += 1
         restarts += 1
         say(f"restart {restarts}/{policy.max_restarts} in {delay:g} s (exit code {code})")
         time.sleep(delay)  # the back-off policy, not a synchronisation
@@ -612,6 +637,56 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
         if resumed.job_id:
             say(f"resubmitted as Slurm job {resumed.job_id}, excluding "
                 f"{', '.join(sorted(excluded)) or '-'}")  # fmt: skip
+
+
+def newest_checkpoint_step(run: RunDir) -> int:
+    newest = run.latest_valid_checkpoint()
+    return newest.step if newest else -1
+
+
+def exclude_stragglers(
+    ctx: Context, backend: Backend, run: RunDir, excluded: set[str], policy: WatchPolicy, say: Say
+) -> set[str]:
+    """The hosts of the failed attempt's persistent stragglers, left out of the next attempt
+    like failed hosts (an `excluded` event) when the rest still divides the global batch."""
+    found = goodput.straggler_exclusions(run, policy.straggler_margin, policy.straggler_windows)
+    hosts = sorted({s.host for s in found} - excluded)
+    if not hosts:
+        return set()
+    why = "; ".join(s.describe() for s in found if s.host in hosts)
+    try:
+        left = backend.placement_of(run, excluded | set(hosts))
+        resolve_config(run.config_path, goodput.current_overrides(run), run.path, left.world_size)
+    except RlmctlError as error:
+        say(f"straggler kept: {why}; without it the job cannot run ({error})")
+        return set()
+    run.append_event(
+        EventKind.EXCLUDED,
+        hosts=hosts,
+        reason=f"straggler: {why}",
+        stragglers=[dataclasses.asdict(s) for s in found if s.host in hosts],
+    )
+    say(f"excluding straggler host(s) {', '.join(hosts)}: {why}")
+    return set(hosts)
+
+
+def choose_checkpoint_interval(ctx: Context, run: RunDir, policy: WatchPolicy, say: Say) -> None:
+    """`--checkpoint-interval auto`: the interval of the next attempts from the failures seen
+    (this run and the registry's runs) and this run's checkpoint stall, recorded as an event
+    that every later resume of the run applies."""
+    thresholds = ctx.hosts[0].accept_thresholds if ctx.hosts else None
+    cap = goodput.interval_cap(policy.max_interval, thresholds)
+    history = [RunDir(row["run_dir"]) for row in ctx.registry.runs()]
+    choice, seen = goodput.auto_interval(run, history, cap)
+    if policy.checkpoint_interval != "auto":
+        steps = int(policy.checkpoint_interval)
+        choice = IntervalChoice(steps, f"set by --checkpoint-interval {steps}")
+    previous = goodput.measured(run).interval_steps
+    goodput.record_choice(run, choice, seen, previous)
+    if choice.steps is None:
+        say(f"checkpoint interval: {choice.reason}")
+    else:
+        say(f"checkpoint interval: {previous} -> {choice.steps} steps ({choice.reason})")
 
 
 def follow(backend: Backend, run: RunDir, policy: WatchPolicy, say: Say) -> Failure | None:
@@ -639,7 +714,7 @@ def follow(backend: Backend, run: RunDir, policy: WatchPolicy, say: Say) -> Fail
             if (status.updated or 0.0) >= since and status.stopped_before_end:
                 # Saved and exited on a signal rlmctl did not send (preemption): resume it.
                 reason = f"trainer stopped on a signal at step {status.step} (preempted)"
-                return Failure(reason, None, probe)
+                return Failure(reason, None, probe, preempted=True)
             return Failure(probe.ended, run.attempt_exit_code(), probe)
         if probe.gone:
             gone = ", ".join(sorted(probe.gone))

@@ -62,6 +62,8 @@ class RunStatus:
     problem: str | None = None  # what the processes say against the state of record
     # rlm_scheduler slurm: the run's job as Slurm reports it (job_id, state, exit_code, nodes).
     slurm: dict[str, str] | None = None
+    # Where the run's wall time went and its stragglers (rlmctl.goodput.run_view).
+    goodput: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

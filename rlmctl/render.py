@@ -244,6 +244,10 @@ def status(info: RunStatus) -> None:
     )
     line(f"last checkpoint: {last}")
     line(f"restarts: {info.restarts}   run dir: {info.run_dir}")
+    from rlmctl.goodput import lines as goodput_lines
+
+    for text in goodput_lines(info.goodput):
+        line(text)
     if info.slurm:
         job = info.slurm
         reason = job.get("reason") or ""

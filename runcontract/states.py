@@ -51,6 +51,7 @@ class EventKind(str, Enum):
     # Slurm put the job back in the queue (time limit, preemption, NODE_FAIL, scontrol requeue):
     # the batch script (a requeue it asks for) or watch (one Slurm made), with the reason
     REQUEUED = "requeued"
+    CHECKPOINT_INTERVAL = "checkpoint_interval"  # watch chose the interval of later attempts
     # the trainer
     START = "start"  # set up, begins (or continues) training
     START_REFUSED = "start_refused"  # refused to start (config, checkpoint.resume, data, lock)

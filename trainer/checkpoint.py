@@ -26,7 +26,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -945,6 +945,9 @@ class CheckpointManager:
         self.constants = constants  # saved as they are (config, version)
         self._components: list[tuple[Any, bool]] = []
         self.saved_step: int | None = None  # the step of the newest checkpoint of this run
+        # Seconds the loop was blocked by checkpointing (save calls, waits for an async save's
+        # copy or write): the run's checkpoint stall (runcontract.goodput).
+        self.stall_seconds = 0.0
 
     def register(self, component: Any, *, rolled_back: bool = False) -> None:
         self._components.append((component, rolled_back))
@@ -966,9 +969,18 @@ class CheckpointManager:
         due = step % self.interval_steps == 0 or last
         if not due or step == self.saved_step:
             return False
-        self.store.save(step, self.state_dict())
+        with self._stalling():
+            self.store.save(step, self.state_dict())
         self.saved_step = step
         return True
+
+    @contextlib.contextmanager
+    def _stalling(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stall_seconds += time.perf_counter() - started
 
     def load(self) -> bool:
         """Resume every component from the checkpoint `checkpoint.resume` picks; False: fresh."""
@@ -1018,11 +1030,13 @@ class CheckpointManager:
         return path, state
 
     def wait(self) -> None:
-        self.store.wait()
+        with self._stalling():
+            self.store.wait()
 
     def wait_for_staging(self) -> None:
         """Before the optimizer step: an async save must have copied the tensors it saves."""
-        self.store.wait_for_staging()
+        with self._stalling():
+            self.store.wait_for_staging()
 
     @property
     def loaded_path(self) -> Path | None:

@@ -37,6 +37,7 @@ from trainer.errors import ConfigError
 from trainer.evaluate import perplexity
 from trainer.flops import flops_per_token
 from trainer.model import ParamCounts
+from trainer.rankstats import RankTimes
 from trainer.rundir import ExitCode, RunDir, write_json_atomic
 
 log = logging.getLogger("trainer")
@@ -233,6 +234,11 @@ class Reporter:
         # Step and communication seconds since status.json was last written: it carries their
         # means over the window, which the exporter turns into the communication share.
         self.window = [0, 0.0, 0.0]  # steps, step seconds, comm seconds
+        # Checkpoint stall already reported, and when and at which stall the newest step was
+        # recorded: what goodput (runcontract.goodput) needs beyond the step times.
+        self._stall_reported = 0.0
+        self._recorded = (time.time(), 0.0)
+        self.ranks: RankTimes | None = None
 
     def _status(self, **fields: Any) -> None:
         self.run_dir.write_status(
@@ -286,6 +292,7 @@ class Reporter:
         """The loop is about to run its first step."""
         self.comm, self.seq_len, self.peak = comm, seq_len, peak[0]
         self.checkpoints = checkpoints
+        self.ranks = RankTimes(self.env, self.run_dir, self.cfg.metrics.log_every)
         resumed_from = str(checkpoints.loaded_path) if checkpoints.loaded_path else None
         if not self.env.is_main:
             return
@@ -318,9 +325,18 @@ class Reporter:
         assert self.metrics is not None
         self.metrics.set_state("running")
 
+    def _take_stall(self) -> float:
+        """Seconds the loop was blocked by checkpointing since the previous call."""
+        total = self.checkpoints.stall_seconds if self.checkpoints else 0.0
+        stall, self._stall_reported = total - self._stall_reported, total
+        return stall
+
     def step(self, result: StepResult, health: StepHealth) -> None:
         """One optimizer step: a metrics.jsonl record, the series, a log line and status.json
-        every `metrics.log_every` steps, a `nonfinite` event for a dropped update."""
+        every `metrics.log_every` steps, a `nonfinite` event for a dropped update; every rank's
+        step figures to ranks.json every `metrics.log_every` steps (a collective)."""
+        if self.ranks is not None:
+            self.ranks.add(result)
         self.comm_bytes_total += result.comm_bytes
         self.window = [
             self.window[0] + 1,
@@ -366,9 +382,11 @@ class Reporter:
             "mfu": per_device / self.peak if self.peak else 0.0,
             "peak_memory_bytes": peak_memory_bytes(self.env.device),
             "loss_scale": result.loss_scale,
+            "checkpoint_stall": self._take_stall(),
             "time": time.time(),
         }
         self.run_dir.append_metrics(record)
+        self._recorded = (record["time"], self._stall_reported)
         numbers = {"loss": result.loss, "grad_norm": result.grad_norm}
         self.metrics.update(
             {
@@ -405,13 +423,17 @@ class Reporter:
         if not self.env.is_main:
             return
         ppl = {d: perplexity(loss) for d, loss in losses.items()}
+        now = time.time()
+        recorded, stall = self._recorded
+        stalled = (self.checkpoints.stall_seconds if self.checkpoints else 0.0) - stall
         self.run_dir.append_metrics(
             {
                 "kind": "val",
                 "step": step,
                 "val_loss": {str(d): v for d, v in losses.items()},
                 "perplexity": {str(d): v for d, v in ppl.items()},
-                "time": time.time(),
+                "seconds": max(0.0, now - recorded - stalled),  # since the step, less its save
+                "time": now,
             }
         )
         assert self.metrics is not None
@@ -433,7 +455,10 @@ class Reporter:
                 updated=time.time(),
             )
             write_json_atomic(self.run_dir.status_path, status)
-            self.run_dir.append_event("exit", exit_code=int(exit_code), state=state, step=step)
+            stall = self._take_stall()  # the last save, and the wait for an async one
+            self.run_dir.append_event(
+                "exit", exit_code=int(exit_code), state=state, step=step, checkpoint_stall=stall
+            )
         if self.metrics is not None:
             self.metrics.set_state(state)
 

@@ -96,6 +96,7 @@ def run_playbook(
     *,
     check: bool = False,
     tags: str | None = None,
+    skip_tags: str | None = None,
     limit: str | None = None,
     extra_vars: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
@@ -107,6 +108,8 @@ def run_playbook(
         argv += ["--check", "--diff"]
     if tags:
         argv += ["--tags", tags]
+    if skip_tags:
+        argv += ["--skip-tags", skip_tags]
     if limit:
         argv += ["--limit", limit]
     if extra_vars:

@@ -7,9 +7,9 @@ rlm_service's pidfile fallback, Lustre is off (the rig's shared directory stands
 
 from __future__ import annotations
 
+import platform
 import shutil
 import socket
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from tests.ansible.playbook_run import REPO
+from rlmctl import wheelhouse
 from tests.rig import Rig
 
 VENV = "/opt/rlm/venv"
@@ -25,32 +25,17 @@ BUNDLE_VERSION = "0.1.0"
 
 
 def build_wheelhouse(out: Path) -> Path:
-    """The bundle's wheel, built from a copy of the sources (no build artefacts in the repo)."""
-    src = out.parent / "bundle-src"
-    shutil.rmtree(src, ignore_errors=True)
-    src.mkdir(parents=True)
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / name, src / name)
-    for package in ("runcontract", "trainer", "rlmctl", "monitoring", "clusterspec"):
-        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
-    out.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--wheel-dir",
-            str(out),
-            str(src),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
+    """The bundle alone, with its manifest, as `rlmctl wheelhouse --bundle-only` builds it: what
+    nodes with a site stack (torch there) install from."""
+    shutil.rmtree(out, ignore_errors=True)
+    target = wheelhouse.Target(
+        python="{}.{}".format(*sys.version_info[:2]),
+        vendor="none",
+        glibc=wheelhouse.this_glibc(),
+        machine=platform.machine(),
+        torch_index="",
     )
+    wheelhouse.build(target, out, bundle_only=True, check=False, say=lambda _: None)
     return out
 
 

@@ -8,12 +8,20 @@ host and the others are compute nodes, as in inventory/example (vendor none, no 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import platform
+import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rlmctl import wheelhouse
+from tests.ansible.playbook_run import REPO
 from tests.ansible.rig_site import BUNDLE_VERSION, VENV, build_site_stack, build_wheelhouse
 from tests.rig import Rig
 
@@ -23,6 +31,7 @@ __all__ = [
     "VENV",
     "build_offline_stacks",
     "connection_vars",
+    "full_wheelhouse",
     "site_inventory",
 ]
 
@@ -39,8 +48,8 @@ SLICE_LIMITS: dict[str, Any] = {
     "rlm_user_tasks_max": "700",
 }
 
-# torch 2.13.0 exists here only for CPython 3.11 (bookworm's); trixie's 3.13 gets a stack of the
-# exporter's own dependencies, and no torch.
+# The site stacks: this checkout's venv (CPython 3.11, torch) for bookworm; for trixie's 3.13 the
+# exporter's own dependencies only (its torch comes from a full wheelhouse, on one node).
 STACK_313 = ("prometheus-client", "psutil", "pyyaml")
 PIP_313 = ["--python-version", "3.13", "--only-binary=:all:"]
 
@@ -72,6 +81,59 @@ def build_offline_stacks(rig: Rig, work: Path) -> tuple[Path, dict[str, Path]]:
     return wheelhouse, stacks
 
 
+# Full wheelhouses (torch, the bundle with [train], every dependency) as `rlmctl wheelhouse`
+# builds them, kept across test sessions: one per Python and content of the bundle.
+WHEELHOUSES = Path("/var/tmp/rlm-wheelhouses")
+# What pip fetches here for torch 2.13.0: the CPU build (+cpu) lies on this machine's disk for
+# CPython 3.11 only; for 3.13 PyPI has only its CUDA 13 build, which imports (and runs on the CPU)
+# only with its nvidia-* libraries: 2.7 GB of wheels. download.pytorch.org is unreachable here.
+TORCH_INDEX = "https://pypi.org/simple"
+
+
+def bundle_digest() -> str:
+    """What the bundle's wheel is built from, and the builder itself."""
+    digest = hashlib.sha256()
+    files = [REPO / name for name in wheelhouse.BUNDLE_FILES]
+    for package in wheelhouse.BUNDLE_PACKAGES:
+        files += sorted(
+            p for p in (REPO / package).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        )
+    for path in files:
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def full_wheelhouse(python: str) -> Path:
+    """The full offline wheelhouse for CPython `python` ("3.11": Debian 12, "3.13": Debian 13),
+    built by the builder on first use and kept until the bundle changes. It is verified into a
+    clean venv of that Python where this machine has one (python3.X on PATH)."""
+    out = WHEELHOUSES / f"cp{python.replace('.', '')}-{bundle_digest()}"
+    with _locked(WHEELHOUSES / ".lock"):
+        if not (out / "manifest.json").exists():
+            for old in WHEELHOUSES.glob(f"cp{python.replace('.', '')}-*"):
+                shutil.rmtree(old)  # an older bundle's: 0.3-2.7 GB each
+            target = wheelhouse.Target(
+                python=python,
+                vendor="none",
+                glibc=wheelhouse.this_glibc(),
+                machine=platform.machine(),
+                torch_index=TORCH_INDEX,
+            )
+            # Verified into a clean venv where this interpreter is that Python (3.11); the 3.13 one
+            # is verified by the Debian 13 node's offline install (a clean venv of 3.13).
+            verify = "{}.{}".format(*sys.version_info[:2]) == python
+            wheelhouse.build(target, out, check=verify, say=lambda line: print(line, flush=True))
+    return out
+
+
 def connection_vars(rig: Rig) -> dict[str, dict[str, str]]:
     """How Ansible reaches each node: root over SSH with the rig's key and known hosts."""
     return {
@@ -87,14 +149,25 @@ def connection_vars(rig: Rig) -> dict[str, dict[str, str]]:
     }
 
 
-def site_inventory(rig: Rig, wheelhouse: Path, stacks: dict[str, Path]) -> dict[str, Any]:
-    """The rig's hosts in the example inventory's shape: mgmt + compute groups per release."""
+def site_inventory(
+    rig: Rig, wheelhouse: Path, stacks: dict[str, Path], offline: dict[str, Path] | None = None
+) -> dict[str, Any]:
+    """The rig's hosts in the example inventory's shape: mgmt + compute groups per release.
+
+    Nodes take the bundle from `wheelhouse` and torch from their release's site stack, except
+    the nodes in `offline` (name -> full wheelhouse), which install everything from theirs."""
     public_key = rig.ssh_key_path.with_suffix(".pub").read_text().strip()
     by_release: dict[str, list[str]] = {}
     for host in rig.hosts:
         assert host.release, "site_inventory is for systemd nodes"
         by_release.setdefault(host.release, []).append(host.name)
     connection = connection_vars(rig)
+    for name, full in (offline or {}).items():
+        connection[name] |= {
+            "rlm_wheelhouse": str(full),
+            "trainer_env_torch_source": "wheelhouse",
+            "trainer_env_verify": True,
+        }
     mgmt = [names[0] for names in by_release.values()]
     release_groups = {
         release: {

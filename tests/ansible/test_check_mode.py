@@ -97,6 +97,7 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> PlaybookRun:
         write_inventory(work / "hosts.yml", inventory),
         work,
         check=True,
+        skip_tags="reachability",
         tags="gpu,comm,lustre",
         env={
             "PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}",
@@ -251,6 +252,7 @@ def test_the_boot_time_power_unit_of_a_site_copied_from_the_example_runs_as_root
         site / "hosts.yml",
         tmp_path,
         check=True,
+        skip_tags="reachability",
         tags="gpu_power",
         env={"PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}"},
     )
@@ -282,6 +284,7 @@ def test_hosts_without_a_gpu_plan_the_gpu_and_comm_plays_without_vendor_facts(
         write_inventory(tmp_path / "hosts.yml", inventory),
         tmp_path,
         check=True,
+        skip_tags="reachability",
         tags="gpu,comm,monitoring",
         env={"PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}"},
     )

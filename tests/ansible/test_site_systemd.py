@@ -6,12 +6,22 @@ nftables, no python3-packaging, and a cloud image's `50-cloud-init.conf` turning
 One rig for the module: check mode, first run, rerun, then checks (units, sshd, the sandboxed
 unprivileged rlm-exporter, the trainer and user slices and a trainer start in the slice, who
 reaches Prometheus and Alertmanager); the reboot test comes last.
+
+The air-gapped site (its own section below): preflight names what a node cannot fetch; verify.yml
+and `rlmctl health` give one verdict on the shared directory. With RLM_TEST_FULL_WHEELHOUSES=1,
+node4 (Debian 12) and node8 (Debian 13) also install torch, the bundle and every dependency from
+full wheelhouses built by `rlmctl wheelhouse` for their Python (cp311: 262 MiB, cp313: 2.7 GB of
+PyPI's CUDA torch and its nvidia-* wheels), offline, and a short training runs on node8. That adds
+about 20-25 min to the module on a fresh 2-core machine (two builds, the wheels copied to the nodes,
+torch installed twice), so `make test` leaves it out; `make test-wheelhouses` runs it.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,20 +34,34 @@ from pathlib import Path
 
 import paramiko
 import pytest
+import yaml
 
 from rlmctl import accept, hostproc
 from rlmctl.backend_ssh import host_start_config
 from rlmctl.inventory import load as load_inventory
-from tests.ansible.playbook_run import PlaybookRun, run_playbook, write_inventory
-from tests.ansible.rig_site import connect, connect_from_real_host
-from tests.ansible.systemd_site import SLICE_LIMITS, build_offline_stacks, site_inventory
+from tests.ansible.playbook_run import REPO, PlaybookRun, run_playbook, write_inventory
+from tests.ansible.rig_site import VENV, connect, connect_from_real_host
+from tests.ansible.systemd_site import (
+    SLICE_LIMITS,
+    build_offline_stacks,
+    full_wheelhouse,
+    site_inventory,
+)
 from tests.monitoring import alerting_site
 from tests.rig import Rig
+from tests.rlmctl.conftest import rlmctl
+from tests.slurm.slurm_rig import prepare_corpus
 from tests.test_rig_systemd import systemd_unavailable
 from trainer.rundir import RunDir
 
-# The module's fixture runs site.yml three times on 8 nodes (about 10 min on 2 quiet cores).
-pytestmark = [pytest.mark.rig, pytest.mark.timeout(3600)]
+# Opt-in (see above): the full wheelhouses, their offline installs and the Debian 13 training.
+FULL_WHEELHOUSES = os.environ.get("RLM_TEST_FULL_WHEELHOUSES") == "1"
+needs_full_wheelhouses = pytest.mark.skipif(
+    not FULL_WHEELHOUSES, reason="RLM_TEST_FULL_WHEELHOUSES=1 (make test-wheelhouses) runs it"
+)
+# The module's fixture runs site.yml three times on 8 nodes (about 10 min on 2 quiet cores); with
+# the full wheelhouses it builds two of them (cached until the bundle changes) first.
+pytestmark = [pytest.mark.rig, pytest.mark.timeout(7200 if FULL_WHEELHOUSES else 3600)]
 SLOT = 6  # see docs/rig.md for the slots of each module
 RELEASES = ["bookworm"] * 4 + ["trixie"] * 4
 MGMT = ("node1", "node5")
@@ -47,6 +71,8 @@ EVERY_NODE_UNITS = ("ssh", "nftables", "prometheus-node-exporter", "rlm-exporter
 MGMT_UNITS = ("prometheus", "prometheus-alertmanager")
 EXPORTER_UID = 9410  # rlm_exporter_uid's default
 SERVICE_UID = 2000  # users_ssh_service_uid's default
+# Compute nodes that take torch and everything else from a full wheelhouse for their Python.
+OFFLINE = {"node4": "3.11", "node8": "3.13"} if FULL_WHEELHOUSES else {}
 SANDBOX = {
     "User": "rlm-exporter",
     "NoNewPrivileges": "yes",
@@ -64,6 +90,17 @@ class Site:
     check: PlaybookRun
     first: PlaybookRun
     second: PlaybookRun
+    wheelhouses: dict[str, Path]  # node -> its full wheelhouse (OFFLINE)
+
+
+def timed(what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), printing how long it took and the machine's load."""
+    started = time.monotonic()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"\n{what}: {time.monotonic() - started:.0f} s (load {load})", flush=True)
 
 
 def password_login(ip: str) -> bool:
@@ -95,12 +132,26 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
                 "systemctl reload ssh.service",
             )
         before = {h.name: password_login(h.ip) for h in rig.hosts}
+        # A runs/ made by root before provisioning (a site's own mkdir, an earlier tool).
+        (rig.shared_dir / "runs").mkdir()
         wheelhouse, stacks = build_offline_stacks(rig, work)
-        inventory = write_inventory(work / "hosts.yml", site_inventory(rig, wheelhouse, stacks))
-        check = run_playbook("site.yml", inventory, work, check=True, timeout=900)
-        first = run_playbook("site.yml", inventory, work, timeout=1200)
-        second = run_playbook("site.yml", inventory, work, timeout=900) if first.rc == 0 else first
-        yield Site(rig, inventory, before, check, first, second)
+        full = {
+            name: timed(f"wheelhouse cp{python}", full_wheelhouse, python)
+            for name, python in OFFLINE.items()
+        }
+        inventory = write_inventory(
+            work / "hosts.yml", site_inventory(rig, wheelhouse, stacks, full)
+        )
+        check = timed(
+            "check run", run_playbook, "site.yml", inventory, work, check=True, timeout=1800
+        )
+        first = timed("first run", run_playbook, "site.yml", inventory, work, timeout=2400)
+        second = (
+            timed("rerun", run_playbook, "site.yml", inventory, work, timeout=1800)
+            if first.rc == 0
+            else first
+        )
+        yield Site(rig, inventory, before, check, first, second, full)
 
 
 def test_check_mode_on_bare_nodes_completes_and_plans_every_play(site: Site) -> None:
@@ -313,6 +364,195 @@ def test_prometheus_and_alertmanager_answer_only_mgmt_and_admin_sources(site: Si
             # A compute node is dropped (no answer at all), as every other source would be.
             from_compute = connect(rig, compute.name, mgmt.ip, port)
             assert from_compute == "TimeoutError", (compute.name, port, from_compute)
+
+
+# ------------------------------------------------------------------------------------------------
+# The air-gapped site: full wheelhouses, preflight, one verdict on the shared directory, Debian 13.
+# Self-contained: these tests use the module's nodes and inventory, and leave them as they were.
+
+VENV_REPORT = (
+    "import importlib.metadata as m, json, sys, torch\n"
+    "x = torch.ones(8, 8)\n"
+    "print(json.dumps({'python': '%d.%d' % sys.version_info[:2], 'torch': torch.__version__,"
+    " 'product': float((x @ x).sum()), 'bundle': m.version('rlm-ops')}))\n"
+)
+
+
+def loop_items(run: PlaybookRun, host: str, task: str) -> list[dict]:
+    """The items of a loop task that ran (not skipped) on `host`."""
+    if not run.ran(host, task):
+        return []
+    return [i for i in run.task(host, task).result.get("results", []) if not i.get("skipped")]
+
+
+@needs_full_wheelhouses
+def test_full_wheelhouses_install_offline_and_a_rerun_reads_only_their_manifests(
+    site: Site,
+) -> None:
+    """Debian 12's node4 and Debian 13's node8 (no route to any index) install torch, the bundle
+    and every [train] dependency from the wheelhouse built for their Python; the first run copies
+    every wheel and pip checks each hash; the rerun compares manifests and copies nothing."""
+    assert site.first.rc == 0
+    for name, python in OFFLINE.items():
+        manifest = json.loads((site.wheelhouses[name] / "manifest.json").read_text())
+        assert manifest["target"]["python"] == python
+        wheels = {w["file"] for w in manifest["wheels"]}
+        copied = {
+            i["item"]["file"]
+            for i in loop_items(site.first, name, "Copy the wheels the node lacks")
+        }
+        assert copied == wheels, (name, wheels ^ copied)
+        assert site.first.task(name, "Install torch and the bundle from the wheelhouse").changed
+        out = site.rig.exec(name, [f"{VENV}/bin/python", "-c", VENV_REPORT]).stdout
+        report = json.loads(out.splitlines()[-1])
+        assert report == {
+            "python": python,
+            "torch": manifest["torch"],
+            "product": 512.0,
+            "bundle": manifest["bundle"]["version"],
+        }, (name, report)
+        # The rerun read the node's manifest and the venv's record of it, no wheel.
+        assert not site.second.ran(name, "Bring the node's wheelhouse to the controller's manifest")
+        assert not site.second.ran(name, "Install torch and the bundle from the wheelhouse")
+    # The builder verified the cp311 one in a clean venv of Python 3.11 before moving it into place.
+    verified = json.loads((site.wheelhouses["node4"] / "manifest.json").read_text())["verified"]
+    assert verified["python"].startswith("3.11.") and verified["torch"].startswith("2.13.0")
+
+
+def test_preflight_names_what_a_node_cannot_fetch_and_changes_nothing(
+    site: Site, tmp_path: Path
+) -> None:
+    """node7 given no wheelhouse (the PyTorch index, unreachable from the rig) and an apt source
+    no mirror answers; with the full wheelhouses, node8 (Debian 13, Python 3.13) given the
+    Debian 12 one. Each node's one line says what it cannot have and how to provide it."""
+    assert site.first.rc == 0
+    rig = site.rig
+    inventory = yaml.safe_load(site.inventory.read_text())
+    hosts = inventory["all"]["hosts"]
+    limit = ["node7"]
+    if FULL_WHEELHOUSES:
+        hosts["node8"] |= {"rlm_wheelhouse": str(site.wheelhouses["node4"])}
+        limit.append("node8")
+    hosts["node7"] |= {"rlm_wheelhouse": "", "trainer_env_torch_source": "index"}
+    gone = f"http://{rig.layout.bridge_ip}:9/debian"  # the real host: nothing listens on 9
+    sources = "/etc/apt/sources.list.d/gone-mirror.list"
+    rig.exec("node7", f"echo 'deb [trusted=yes] {gone} trixie main' > {sources}")
+    try:
+        run = run_playbook(
+            "site.yml",
+            write_inventory(tmp_path / "hosts.yml", inventory),
+            tmp_path,
+            limit=",".join(limit),
+            timeout=600,
+        )
+    finally:
+        rig.exec("node7", f"rm -f {sources}")
+    assert run.rc != 0
+    if FULL_WHEELHOUSES:
+        [node8] = run.failures("node8")
+        assert (
+            f"node8: rlm_wheelhouse={site.wheelhouses['node4']} is built for Python 3.11 (cp311), "
+            "this node's venv Python is 3.13: build one for this node with `rlmctl wheelhouse "
+            "--python 3.13 --vendor none --glibc 2.41 --out DIR (on a connected machine)` and set "
+            "rlm_wheelhouse to it for these nodes" in node8
+        ), node8
+    [node7] = run.failures("node7")
+    assert node7.startswith("common : Stop on a source this node cannot reach: node7 cannot"), node7
+    assert (
+        "Python index https://download.pytorch.org/whl/cpu/torch/ (" in node7
+        and "): build a wheelhouse for this node on a connected machine (`rlmctl wheelhouse "
+        "--python 3.13 --vendor none --glibc 2.41 --out DIR`) and set rlm_wheelhouse=DIR"
+        in node7
+    ), node7
+    assert (
+        f"apt source {gone}/dists/trixie/InRelease (Connection refused): point the node's apt "
+        "sources at a reachable mirror" in node7
+    ), node7
+    assert {r.play for r in run.results} == {"Validate variables before any change"}
+    assert all(run.changed(host) == [] for host in limit)
+
+
+def disk_verdicts(site: Site, hosts: list[str], work: Path) -> dict[str, tuple[dict, dict]]:
+    """Per host, the shared directory's verdict from playbooks/verify.yml and from `rlmctl
+    health` (its disk check), GiB figures masked (the free space moves between the two)."""
+
+    def masked(check: dict) -> dict:
+        keep = {k: check[k] for k in ("state", "detail", "fix")}
+        return keep | {"detail": re.sub(r"[0-9.]+ GiB free", "N GiB free", keep["detail"])}
+
+    verify = run_playbook("verify.yml", site.inventory, work, limit=",".join(hosts))
+    health = rlmctl("-i", str(site.inventory), "--limit", ",".join(hosts), "health", "--json")
+    assert "Traceback" not in health.stderr, health.stderr
+    report = {h["host"]: h for h in json.loads(health.stdout)["hosts"]}
+    out = {}
+    for host in hosts:
+        played = json.loads(
+            verify.task(host, "Judge the shared directory on the node").result["stdout"]
+        )
+        checked = next(c for c in report[host]["checks"] if c["name"] == "disk")
+        out[host] = (masked(played), masked(checked))
+    return out
+
+
+def test_verify_and_health_give_one_verdict_on_the_shared_directory(
+    site: Site, tmp_path: Path
+) -> None:
+    """A pre-existing root-owned runs/ was given to the service user by the first run. Made
+    root's again, verify.yml and `rlmctl health` both call the directory CRIT with the same line
+    and the same advice for rlm_shared_fs: none (the role's fix, not a mount); the advised
+    `site.yml --tags users_ssh` gives it back, and both say OK."""
+    assert site.first.rc == 0
+    runs = site.rig.shared_dir / "runs"
+    # Debian 12 and 13, each with torch in its venv (Debian 13's from the cp313 wheelhouse).
+    hosts = ["node2", "node8"] if FULL_WHEELHOUSES else ["node2", "node3"]
+    assert runs.stat().st_uid == SERVICE_UID
+    os.chown(runs, 0, 0)
+    try:
+        broken = disk_verdicts(site, hosts, tmp_path)
+        for host, (played, checked) in broken.items():
+            assert played == checked, (host, played, checked)
+            assert played["state"] == "CRIT"
+            # root's runs/ (mode 0755): the service user cannot create runs there either.
+            assert played["detail"] == (
+                f"{runs} is owned by root, not rlm; rlm cannot write in {runs}: Permission denied"
+            ), played
+            assert played["fix"] == (
+                f"chown rlm: {runs} (site.yml does it: --tags users_ssh gives "
+                f"{site.rig.shared_dir} and its runs/ to the service user)"
+            ), played
+        fixed = run_playbook(
+            "site.yml", site.inventory, tmp_path, tags="users_ssh", limit="node2", timeout=600
+        )
+        assert fixed.rc == 0, fixed.failures("node2")
+        assert runs.stat().st_uid == SERVICE_UID
+        for host, (played, checked) in disk_verdicts(site, hosts, tmp_path).items():
+            assert played == checked, (host, played, checked)
+            assert played["state"] == "OK" and played["detail"].endswith("owned by rlm"), played
+    finally:
+        os.chown(runs, SERVICE_UID, SERVICE_UID)
+
+
+@needs_full_wheelhouses
+def test_a_short_training_runs_on_the_debian_13_node(site: Site) -> None:
+    """The trainer from node8's venv (Python 3.13, torch from the cp313 wheelhouse) trains the
+    tiny model to its last step, launched by rlmctl over SSH."""
+    assert site.first.rc == 0
+    prepare_corpus(site.rig, REPO)
+    run = "debian13-tiny"
+    argv = ["--limit", "node8", "launch", "--config", str(REPO / "trainer/configs/tiny.yaml")]
+    argv += ["--name", run, "--nodes", "1", "data.path=data", "train.steps=8"]
+    launched = rlmctl("-i", str(site.inventory), *argv, "metrics.log_every=1", timeout=240)
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    deadline = time.monotonic() + 300
+    while (status := rlmctl("-i", str(site.inventory), "status", run, "--json")).stdout.strip():
+        state = json.loads(status.stdout)
+        if state["state"] in ("done", "failed"):
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(2)
+    assert state["state"] == "done" and state["step"] == 8, state
+    logs = rlmctl("-i", str(site.inventory), "logs", run, "-n", "200").stdout
+    assert "step 8/8" in logs, logs[-2000:]
 
 
 def test_after_a_reboot_units_firewall_and_sysctls_are_back(site: Site) -> None:

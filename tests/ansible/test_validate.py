@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from tests.ansible.playbook_run import FAKE_VENDOR_BIN, REPO, run_playbook, write_inventory
+from tests.ansible.rig_site import build_wheelhouse
 
 UBUNTU_NOBLE = {
     "rlm_os_family": "Debian",
@@ -88,6 +89,7 @@ def test_bad_variables_fail_before_any_change(tmp_path: Path) -> None:
         write_inventory(tmp_path / "hosts.yml", inventory),
         tmp_path,
         check=True,
+        skip_tags="reachability",
         env={"PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}"},
     )
     assert run.rc != 0
@@ -134,6 +136,7 @@ def test_the_validate_tag_runs_the_checks_inside_every_gpu_role(tmp_path: Path) 
         write_inventory(tmp_path / "hosts.yml", inventory),
         tmp_path,
         check=True,
+        skip_tags="reachability",
         tags="validate",
         env={"PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}"},
     )
@@ -186,6 +189,7 @@ def test_preflight_refuses_a_lockout_firewall_and_the_placeholder_key(tmp_path: 
         write_inventory(tmp_path / "hosts.yml", inventory),
         tmp_path,
         check=True,
+        skip_tags="reachability",
         env={"SSH_CONNECTION": "10.9.0.5 50000 127.0.0.1 22"},
     )
     assert run.rc != 0
@@ -258,7 +262,11 @@ def test_preflight_refuses_half_a_tls_setting_and_a_password_in_place_of_a_hash(
         }
     }
     run = run_playbook(
-        "preflight.yml", write_inventory(tmp_path / "hosts.yml", inventory), tmp_path, check=True
+        "preflight.yml",
+        write_inventory(tmp_path / "hosts.yml", inventory),
+        tmp_path,
+        check=True,
+        skip_tags="reachability",
     )
     assert run.rc != 0
     for host, (_, message) in bad.items():
@@ -266,3 +274,67 @@ def test_preflight_refuses_half_a_tls_setting_and_a_password_in_place_of_a_hash(
         assert message in failure, (host, failure)
         assert "hunter2" not in failure
     assert f"validation failed on {', '.join(sorted(bad))}" in run.failures("good")[0]
+
+
+def test_preflight_names_each_source_a_node_cannot_reach(tmp_path: Path) -> None:
+    """Before any change, each node tries what the roles will fetch: here a Python index and an
+    AMD repository that refuse connections (nothing listens on port 9 of loopback), and an AMD
+    mirror given as a `file:` tree that exists. One line per node names the source, why it
+    failed and how to provide it (for the index: the wheelhouse builder's command)."""
+    local = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "ansible_host": "127.0.0.1",
+    }
+    refused = "http://127.0.0.1:9"
+    mirror = tmp_path / "radeon"
+    for tree in ("amdgpu/6.2.4/ubuntu", "rocm/apt/6.2.4"):
+        (mirror / tree / "dists/noble").mkdir(parents=True)
+        (mirror / tree / "dists/noble/Release").write_text("Suite: noble\n")
+    key = Path(__file__).parent / "fixtures" / "repo-signing-key.asc"
+    bundle_only = {
+        "rlm_wheelhouse": str(build_wheelhouse(tmp_path / "wheelhouse")),
+        "trainer_env_torch_source": "site",
+        "trainer_env_site_dirs": [str(tmp_path)],
+    }
+    amd = {**bundle_only, "rlm_gpu_vendor": "amd", "gpu_amd_repo_key_src": str(key)}
+    hosts = {
+        "no_index": {
+            **local,
+            **NO_GPU,
+            "trainer_env_torch_index_urls": {"none": f"{refused}/whl/cpu"},
+        },
+        "no_amd_mirror": {**local, **amd, "gpu_amd_repo_base": f"{refused}/radeon"},
+        "good": {**local, **amd, "gpu_amd_repo_base": f"file://{mirror}"},
+    }
+    inventory = {
+        "all": {
+            "children": {"mgmt": {"hosts": {"good": None}}, "compute": {"hosts": hosts}},
+            # The apt sources are this machine's: the systemd-node test tries a node's own.
+            "vars": {**UBUNTU_NOBLE, "rlm_gpus_per_node": 8, "rlm_shared_fs": "none", **NO_ALERTS}
+            | {"common_update_cache": False},
+        }
+    }
+    run = run_playbook(
+        "preflight.yml", write_inventory(tmp_path / "hosts.yml", inventory), tmp_path, check=True
+    )
+    assert run.rc != 0
+    python = "{}.{}".format(*sys.version_info[:2])
+    [no_index] = run.failures("no_index")
+    assert (
+        f"no_index cannot reach what site.yml installs from: Python index {refused}/whl/cpu/torch/"
+        " (Connection refused): build a wheelhouse for this node on a connected machine "
+        f"(`rlmctl wheelhouse --python {python} --vendor none --glibc " in no_index
+    ), no_index
+    assert "--out DIR`) and set rlm_wheelhouse=DIR for it" in no_index
+    [no_mirror] = run.failures("no_amd_mirror")
+    assert (
+        f"no_amd_mirror cannot reach what site.yml installs from: AMD repository "
+        f"{refused}/radeon/amdgpu/6.2.4/ubuntu/dists/noble/Release, "
+        f"{refused}/radeon/rocm/apt/6.2.4/dists/noble/Release (Connection refused): mirror it "
+        "(repo.radeon.com's layout) and set gpu_amd_repo_base to the mirror" in no_mirror
+    ), no_mirror
+    # The node with a reachable mirror and a wheelhouse is stopped only because the others failed.
+    [good] = run.failures("good")
+    assert "validation failed on no_amd_mirror, no_index" in good, good
+    assert all(run.changed(h) == [] for h in hosts)

@@ -83,6 +83,7 @@ def test_verify_gates_on_bus_bandwidth_and_gpu_count(tmp_path: Path) -> None:
             "vars": {
                 "rlm_gpus_per_node": 8,
                 "rlm_shared_fs": "none",
+                "rlm_shared_dir": str(tmp_path),
                 # The venv this test runs in has torch and the bundle: the trainer check reads it.
                 "rlm_venv": sys.prefix,
                 "comm_tests_dir": str(tests_dir),
@@ -169,8 +170,12 @@ def test_an_unmounted_lustre_directory_fails_verify_with_a_clear_line(tmp_path: 
     run = run_playbook(
         "verify.yml", write_inventory(tmp_path / "hosts.yml", inventory), tmp_path, check=True
     )
-    check = run.task("node", "Check the shared directory is a Lustre mount")
+    check = run.task("node", "Check the shared directory")
     assert check.failed
-    assert f"{shared} on node is on " in check.result["msg"]
-    assert "not a Lustre mount" in check.result["msg"]
+    assert f"node: shared directory CRIT: {shared} is on " in check.result["msg"]
+    assert (
+        "), not lustre" in check.result["msg"]
+        and f"mount Lustre at {shared}" in check.result["msg"]
+    )
+    assert "ansible-playbook playbooks/site.yml --tags lustre" in check.result["msg"]
     assert len(run.failures("node")) == 1

@@ -45,6 +45,8 @@ def render(
         # overlay), which fail non-interactively; the system python is what real nodes have.
         "    ansible_python_interpreter: /usr/bin/python3",
         f"    rlm_shared_dir: {_q(str(shared_dir))}",
+        # A directory of the real host bound into every host: no Lustre to check for.
+        "    rlm_shared_fs: none",
         "    rlm_gpu_vendor: none",
         "    rlm_gpus_per_node: 1",
         f"    rlm_venv: {_q(str(venv))}",

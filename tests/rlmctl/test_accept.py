@@ -223,7 +223,7 @@ def test_unknown_threshold_key_is_refused() -> None:
 def test_verdict_json_is_serialisable(tmp_path: Path) -> None:
     verdict = accept.evaluate("r", make_run(tmp_path), LIMITS, None, None, "nowhere")
     data = json.loads(json.dumps(verdict.as_dict()))
-    assert data["accepted"] and len(data["criteria"]) == 15
+    assert data["accepted"] and len(data["criteria"]) == 16
     assert not any(
         isinstance(c["measured"], float) and math.isnan(c["measured"]) for c in data["criteria"]
     )

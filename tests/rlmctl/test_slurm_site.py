@@ -579,3 +579,16 @@ def test_launch_dry_run_lists_each_segment_and_the_site_options(
         assert "--account=a1" in sbatch_lines(scripts[name])
         assert f"segment {k} of 2" in scripts[name]
     assert not (local_inventory.parent / "shared" / "runs" / "dr").exists()
+
+
+def test_an_attempts_overrides_reach_the_pinned_trainer(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """The attempt's config overrides (watch's checkpoint interval) follow run_dir= on the
+    trainer's command line, after the pin."""
+    host = load(local_inventory).select()[0]
+    script = slurm.render(
+        CONFIG, "ov", 1, 2, None, "1:00:00", host, overrides=["checkpoint.interval_steps=7"]
+    )
+    argv, _ = wrapper_argv(script, tmp_path)
+    assert argv[-2:] == [f"run_dir={tmp_path / 'run'}", "checkpoint.interval_steps=7"], argv

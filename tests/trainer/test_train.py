@@ -28,7 +28,7 @@ from trainer.train import train
 TRAIN_FIELDS = {
     "kind", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time",
     "data_time", "recurrence", "backprop_depth", "comm_bytes", "comm_wire_bytes", "comm_time",
-    "tflops", "mfu", "peak_memory_bytes", "loss_scale", "time",
+    "tflops", "mfu", "peak_memory_bytes", "loss_scale", "checkpoint_stall", "time",
 }  # fmt: skip
 
 
@@ -58,8 +58,11 @@ def test_loss_falls_and_the_run_directory_is_complete(prepared_data: Path, tmp_p
     first, last = steps[0]["loss"], [r["loss"] for r in steps[-3:]]
     assert max(last) < first - 0.8, [r["loss"] for r in steps]
 
+    # The sync save after step 5 blocked the loop before step 6 (runcontract.goodput's stall).
+    assert steps[5]["checkpoint_stall"] > 0.01 > max(r["checkpoint_stall"] for r in steps[:5])
     validations = [r for r in records if r["kind"] == "val"]
     assert [r["step"] for r in validations] == [5, 10]
+    assert all(r["seconds"] > 0 for r in validations)
     assert set(validations[-1]["perplexity"]) == {"1", "2"}
     assert validations[-1]["perplexity"]["1"] < validations[0]["perplexity"]["1"]
 
