@@ -13,7 +13,7 @@ TEST_SYSTEM_PACKAGES := openssh-server openssh-client prometheus prometheus-aler
 	mmdebstrap systemd-container apt-utils rocm-smi python3-firewall gpg podman runc
 DEMO_SYSTEM_PACKAGES := procps
 
-.PHONY: demo test test-wheelhouses lint bench venv clean
+.PHONY: demo check test test-wheelhouses lint bench venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,13 +47,21 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint --offline --profile production playbooks roles
+	$(BIN)/mypy
+
+# The fast lane for daily work: lint, types and every test that needs neither the rig nor
+# ansible-playbook (tests/conftest.py marks those; RLM_TEST_LANE=check refuses a playbook run
+# that escaped the marker). No system packages needed beyond what the venv brings.
+check: lint
+	RLM_TEST_LANE=check $(BIN)/pytest -n 2 -m "not rig and not playbook" $(PYTEST_ARGS)
 
 # Two workers, a test file at a time each: the rig modules wait on daemons much of the time
-# (tests/conftest.py). `pytest FILE` alone runs in one process as usual.
+# (tests/conftest.py). The 25 slowest phases are printed at the end, where CI logs keep them.
+# `pytest FILE` alone runs in one process as usual.
 test: venv
 	$(call ensure_packages,$(TEST_SYSTEM_PACKAGES))
 	$(MAKE) lint
-	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The air-gapped site's full wheelhouses (cp311 and cp313, 3 GB) installed offline on a Debian 12
 # and a Debian 13 node, and a training on the latter: ~20-25 min more than test_site_systemd.py's

@@ -28,7 +28,7 @@ recompute from activation checkpointing excluded; divided by the datasheet bf16 
 
 The same script records the real tools' output for the test fixtures into OUT/fixtures/, each
 file saying where, when and how it was recorded: `nvidia-smi -q -x`, `nvidia-smi topo -m`, and
-the NCCL_DEBUG=INFO log of an all-reduce (`python -m rlmctl.allreduce` under torchrun).
+the NCCL_DEBUG=INFO log of an all-reduce (`python -m trainer.allreduce` under torchrun).
 
     python bench/gpu.py [--steps 12] [--depth 8] [--out DIR] [--override RUN:key=value ...]
     python bench/gpu.py --rehearse --out DIR     # on CPU, tiny width: what the suite runs
@@ -313,7 +313,7 @@ def record_fixtures(out: Path, machine: Machine) -> dict[str, str]:
         done[name] = str(fixtures / name)
     nproc = max(1, min(machine.gpus, 8)) if not machine.rehearsal else 2
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={nproc}", "-m", "rlmctl.allreduce", "--size-mb", "64"]
+    command += [f"--nproc-per-node={nproc}", "-m", "trainer.allreduce", "--size-mb", "64"]
     env = dict(os.environ, **DEBUG_ENV, OMP_NUM_THREADS="1")
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     backend = "gloo on CPU: a rehearsal, not an NCCL fixture" if machine.rehearsal else "NCCL"

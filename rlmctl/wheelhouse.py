@@ -377,6 +377,9 @@ def command(
     check: Annotated[
         bool, typer.Option("--verify/--no-verify", help="Install offline into a clean venv.")
     ] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help='{"wheelhouse": ..., "manifest": ...} on stdout.')
+    ] = False,
 ) -> None:
     """Build the offline wheelhouse for one node target (run it on a connected machine)."""
     from rlmctl import render
@@ -390,7 +393,7 @@ def command(
         machine=machine or platform.machine(),
         torch_index=torch_index_url or torch_index_for(vendor),
     )
-    build(
+    manifest = build(
         target,
         out,
         bundle_source=bundle,
@@ -400,4 +403,7 @@ def command(
         check=check,
         say=render.say(),
     )
-    render.line(f"set rlm_wheelhouse: {out.resolve()} for the nodes of this target")
+    if as_json:
+        render.emit_json({"wheelhouse": str(out.resolve()), "manifest": manifest})
+    else:
+        render.line(f"set rlm_wheelhouse: {out.resolve()} for the nodes of this target")

@@ -30,6 +30,7 @@ import pytest
 import torch._dynamo  # noqa: F401
 
 from clusterspec import vendors
+from tests.ansible.playbook_run import run_playbook
 from tests.rig import Rig
 from tests.rig.layout import MAX_SLOTS, RIG_ID_ENV, rig_id_from_env
 
@@ -75,6 +76,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if RIG_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.rig)
+        # A module that imports run_playbook runs playbooks (in its tests or its fixtures).
+        if getattr(getattr(item, "module", None), "run_playbook", None) is run_playbook:
+            item.add_marker(pytest.mark.playbook)
 
     def rank(item: pytest.Item) -> int:
         module = item.nodeid.partition("::")[0]

@@ -28,23 +28,26 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    use_gpu = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_gpu else "gloo")
+    from trainer.distributed import CPU, accelerator, synchronize
+
+    gpu = accelerator()  # the vendor description's device type and backend (NCCL or RCCL)
+    target = gpu if gpu.available() else CPU
+    dist.init_process_group(target.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_gpu else "cpu"
-    if use_gpu:
-        torch.cuda.set_device(device)
+    device = torch.device(target.device_type, int(os.environ.get("LOCAL_RANK", 0)))
+    if target is CPU:
+        device = torch.device("cpu")
+    else:
+        target.module.set_device(device)
     numel = int(args.size_mb * 2**20 / 4)
     tensor = torch.ones(numel, dtype=torch.float32, device=device)
     dist.all_reduce(tensor)  # warm-up: connections and buffers
-    if use_gpu:
-        torch.cuda.synchronize()
+    synchronize(device)
     dist.barrier()
     started = time.perf_counter()
     for _ in range(args.iters):
         dist.all_reduce(tensor)
-    if use_gpu:
-        torch.cuda.synchronize()
+    synchronize(device)
     seconds = (time.perf_counter() - started) / args.iters
     # Every element started at 1 and was summed (1 + iters) times over `world` ranks.
     expected = float(world ** (1 + args.iters))

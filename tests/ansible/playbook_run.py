@@ -89,6 +89,20 @@ def write_inventory(path: Path, inventory: dict[str, Any]) -> Path:
     return path
 
 
+def ansible_playbook() -> str:
+    """The ansible-playbook of this venv; refused in `make check`, the lane that runs no playbook.
+
+    tests/conftest.py marks every test module that imports `run_playbook` as `playbook`; a test
+    that reaches ansible-playbook some other way fails here instead of slowing the fast lane.
+    """
+    if os.environ.get("RLM_TEST_LANE") == "check":
+        raise AssertionError(
+            "this test runs ansible-playbook, which `make check` never does: "
+            "mark it @pytest.mark.playbook (or import run_playbook in its module)"
+        )
+    return str(BIN / "ansible-playbook")
+
+
 def run_playbook(
     playbook: str | Path,
     inventory: Path,
@@ -103,7 +117,7 @@ def run_playbook(
     timeout: float = 600,
 ) -> PlaybookRun:
     """ansible-playbook with the repository's ansible.cfg, a private fact cache and JSON output."""
-    argv = [str(BIN / "ansible-playbook"), "-i", str(inventory), str(PLAYBOOKS / playbook)]
+    argv = [ansible_playbook(), "-i", str(inventory), str(PLAYBOOKS / playbook)]
     if check:
         argv += ["--check", "--diff"]
     if tags:

@@ -362,6 +362,7 @@ def test_incomplete_receiver_settings_are_one_line_errors(tmp_path, monkeypatch,
     assert "hooks.slack.com" not in result.stderr  # no secret in the message
 
 
+@pytest.mark.playbook
 def test_site_refuses_an_alertmanager_without_receiver_before_any_change(tmp_path: Path) -> None:
     """An Alertmanager with no receiver accepts every alert and delivers none (amtool passes it):
     preflight names the variables on the mgmt host that has none; a Watchdog URL alone does not
@@ -440,6 +441,7 @@ def test_the_alerting_tunables_are_the_acceptance_thresholds() -> None:
     assert tunables["rlm:tunable_log_max_age_seconds"] == accept["log_max_age_s"]
 
 
+@pytest.mark.playbook
 def test_the_gpu_exporter_role_plans_dcgm_exporter_with_the_shipped_counters(
     tmp_path: Path,
 ) -> None:

@@ -7,12 +7,12 @@ import sys
 import time
 from typing import NoReturn
 
+from runcontract.rundir import read_json
 from tests.rig.errors import RigError
 from tests.rig.image import SUITES
 from tests.rig.layout import MAX_HOSTS, MAX_SLOTS, Layout, rig_id_from_env, slot_layouts
 from tests.rig.processes import ProcessId, is_running
 from tests.rig.rig import Rig, check_count, require_root, teardown, teardown_all
-from trainer.rundir import read_json
 
 
 class _Parser(argparse.ArgumentParser):

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from runcontract.rundir import read_json, write_json_atomic
 from tests.rig import booted, image, inventory, network, node, ssh
 from tests.rig.errors import RigError
 from tests.rig.layout import MAX_HOSTS, Layout, rig_id_from_env, slot_layouts
 from tests.rig.processes import ProcessId, identify, is_running, terminate
-from trainer.rundir import read_json, write_json_atomic
 
 BRING_UP_BASE_S = 30.0  # deadline for `up`; generous: 2 loaded cores bring up 64 hosts in ~6 s
 BRING_UP_PER_HOST_S = 0.5

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,8 +178,15 @@ def test_version_and_shell_completion() -> None:
         env={"_RLMCTL_COMPLETE": "complete_bash", "COMP_WORDS": "rlmctl che", "COMP_CWORD": "1"}
     )
     assert completed.output.split() == ["checkpoints"]
-    script = invoke("--show-completion", "bash", env={"SHELL": "/bin/bash"}).output
-    assert "_RLMCTL_COMPLETE" in script
+    # --show-completion names the shell it runs in from its parent processes, as in a user's bash.
+    shown = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m rlmctl --show-completion; exit $?"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0 and "_RLMCTL_COMPLETE=complete_bash" in shown.stdout, shown
 
 
 def test_help_has_no_hard_line_breaks_and_shows_the_global_options() -> None:
