@@ -206,7 +206,7 @@ class GoodputFold:
     checkpoint_writes: list[float] = field(default_factory=list)
     stall_total: float = 0.0
     first_startup: float | None = None
-    step_times: array = field(default_factory=lambda: array("d"))
+    step_times: array[float] = field(default_factory=lambda: array("d"))
     _first: _FirstStep | None = None
     _pending_eval: float = 0.0
     _stop_asked: bool = False  # an operator asked this attempt to stop
@@ -517,6 +517,7 @@ def order_key(item: Event | dict[str, Any]) -> int:
 
 def merged(events: Iterable[Event], records: Iterable[dict[str, Any]]) -> Iterator[Any]:
     """Events and metric records in time order (`order_key` at equal times)."""
+    items: list[tuple[float, int, int, Event | dict[str, Any]]]
     items = [(e.time, order_key(e), i, e) for i, e in enumerate(events)]
     items += [
         (_time_of(r), 1, i, r) for i, r in enumerate(records) if r.get("kind") in ("train", "val")
