@@ -347,7 +347,8 @@ class RunProbe:
                 self.errors.count("rundir", f"cannot read {name} of run directory {path}")
             snapshots.append(snapshot)
         now = time.time()
-        visible = [s for s in snapshots if is_visible(s, now)]
+        # A run whose files cannot be read stays in view: rlm_run_unreadable names them.
+        visible = [s for s in snapshots if s.unreadable or is_visible(s, now)]
         self.goodput.add_to(visible, self.run_roots, self.run_dirs)
         return visible
 

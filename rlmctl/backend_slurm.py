@@ -459,7 +459,8 @@ class Backend:
         `requeued` event with its reason (the batch script records the requeues it asks for
         itself, with the same restart number), and said. A requeued job Slurm holds until its
         old credential expires (Reason=BeginTime, cred_expire + 1 s: docs/slurm.md) is started
-        at once with `scontrol update StartTime=now`, which Slurm allows once it is pending."""
+        at once with `scontrol update StartTime=now`, which Slurm allows once it is pending;
+        after a preemption it is not, so the preempting job gets the nodes first."""
         job_id = self.current(run).job_id if job_id_of(run) else None
         if not job_id:
             return
@@ -484,7 +485,15 @@ class Backend:
                 EventKind.REQUEUED, job_id=job_id, restart=restarts, reason=why, seen_by="watch"
             )
             say(f"Slurm requeued job {job_id} ({why}); restart {restarts}")
-        if restarts > 0 and state == "PENDING" and reason == "BeginTime":
+        requeues = [
+            e
+            for e in run.events()
+            if e.kind == EventKind.REQUEUED and str(e.fields.get("job_id")) == job_id
+        ]
+        # A preempted job's hold is left to run out: the job that preempted it needs the nodes
+        # first, and a job started at once is preempted again and ends FAILED (seen on the rig).
+        preempted = bool(requeues) and "preempt" in str(requeues[-1].fields.get("reason")).lower()
+        if restarts > 0 and state == "PENDING" and reason == "BeginTime" and not preempted:
             self.slurm(
                 ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], "scontrol update failed"
             )

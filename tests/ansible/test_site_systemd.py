@@ -693,7 +693,15 @@ def test_an_xid_in_the_real_kernel_log_is_read_by_the_sandboxed_exporter_and_pag
 def test_a_lost_gpu_pages_and_its_return_resolves(alerting: alerting_site.Alerting) -> None:
     timing = alerting_site.lost_gpu(alerting)
     assert timing.labels["severity"] == "critical"
-    assert timing.labels.get("run") == alerting_site.RUN  # the host's run, joined on
+    joined = {  # what the join reads, for the message when the run label is missing
+        query: alerting.prometheus.query(query)
+        for query in (
+            "rlm:host_run",
+            "rlm_run_workers",
+            'rlm_exporter_source_up{source="processes"}',
+        )
+    }
+    assert timing.labels.get("run") == alerting_site.RUN, (timing.labels, joined)  # joined on
     report(timing)
 
 

@@ -387,7 +387,11 @@ def test_site_refuses_an_alertmanager_without_receiver_before_any_change(tmp_pat
         }
     }
     run = run_playbook(
-        "preflight.yml", write_inventory(tmp_path / "hosts.yml", inventory), tmp_path, check=True
+        "preflight.yml",
+        write_inventory(tmp_path / "hosts.yml", inventory),
+        tmp_path,
+        check=True,
+        skip_tags="reachability",  # this machine reaches no index (test_validate tries that)
     )
     assert run.rc != 0
     for host in ("silent", "watchdog_only"):

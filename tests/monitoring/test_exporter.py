@@ -155,6 +155,9 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
         used = {n for e in expressions for n in re.findall(r"rlm_(?!train_)[a-z_]*[a-z]", e)}
         if not any(exporter.link_speed_bytes(device) for device in os.listdir("/sys/class/net")):
             used.discard("rlm_network_speed_bytes")  # no interface here reports a link speed
+        # Per-rank series come from the ranks' own timings (ranks.json), which this stand-in run
+        # does not write: tests/monitoring/test_goodput_series.py scrapes them from real ranks.
+        used -= {"rlm_rank_slowness_ratio", "rlm_rank_straggler", "rlm_run_stragglers"}
         assert used and used <= names(samples)
         # ... and every series it exports feeds a rule or a panel, except these documented
         # identity/diagnostic series (docs/monitoring.md, Metrics) that an operator reads by hand.
@@ -164,6 +167,10 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
             "rlm_run_checkpoint_step",  # which step a resume starts from
             "rlm_shared_fs_mounted",  # rlmctl health's shared_fs check judges the mount
             "rlm_trainer_open_fds",  # a file-descriptor leak, read when EMFILE shows up
+            # The inputs of the checkpoint interval (docs/scale.md), read when tuning it.
+            "rlm_run_interruptions",
+            "rlm_run_restart_cost_seconds",
+            "rlm_run_at_risk_seconds",
         }
         exported = {n.removesuffix("_total") for n in names(samples) if n.startswith("rlm_")}
         assert exported - {n.removesuffix("_total") for n in used} == read_by_hand

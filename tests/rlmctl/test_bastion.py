@@ -73,6 +73,7 @@ def write_inventory(
         f"    ansible_ssh_private_key_file: {rig.ssh_key_path}",
         "    ansible_python_interpreter: /usr/bin/python3",
         f"    rlm_shared_dir: {rig.shared_dir}",
+        "    rlm_shared_fs: none",  # the rig's shared directory is the real host's, not Lustre
         "    rlm_gpu_vendor: none",
         "    rlm_gpus_per_node: 1",
         f"    rlm_venv: {sys.prefix}",
@@ -224,7 +225,8 @@ def test_proxycommand_and_a_bastion_that_is_down(site) -> None:
     finally:
         rig.start_sshd("node1")
     assert down.returncode == 1 and "Traceback" not in down.stderr
-    lines = [line for line in down.stdout.splitlines() if line.startswith("node")]
+    # One finding line per host (`node2: reachable CRIT: ...`) below the table's rows.
+    lines = [line for line in down.stdout.splitlines() if line.startswith(("node2:", "node3:"))]
     assert len(lines) == 2, down.stdout
     assert all(f"jump host root@{rig.hosts[0].ip}:22 (ProxyJump of node" in line for line in lines)
     assert all("refused the connection" in line for line in lines), lines

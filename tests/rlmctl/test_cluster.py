@@ -97,7 +97,7 @@ def test_broken_hosts_are_critical_with_the_reason(make_rig, tmp_path: Path) -> 
     node2 = checks_of(report, "node2")["shared_fs"]
     assert node2["state"] == "CRIT" and "NOT the shared filesystem" in node2["detail"]
     node3 = checks_of(report, "node3")["disk"]
-    assert node3["state"] == "CRIT" and "full" in node3["detail"]
+    assert node3["state"] == "CRIT" and "No space left on device" in node3["detail"]
     node4 = checks_of(report, "node4")["reachable"]
     assert node4["state"] == "CRIT" and "refused" in node4["detail"]
     # the human output names each broken host with its reason on one line

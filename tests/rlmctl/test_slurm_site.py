@@ -330,6 +330,43 @@ def test_watch_records_a_slurm_requeue_and_lifts_its_hold(
     assert "Slurm requeued job 42 (NODE_FAIL)" in result.stdout + result.stderr
 
 
+def test_watch_leaves_a_preempted_jobs_hold_to_the_preemptor(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """Job 42 was preempted and requeued (sacct: PREEMPTED): the preempting job needs the nodes
+    first, so watch records the requeue but never starts job 42 at once (a job started at once is
+    preempted again and ends FAILED, as seen on the rig); Slurm starts it when its hold ends."""
+    shows = tmp_path / "shows"
+    run, env = slurm_site(
+        local_inventory,
+        tmp_path,
+        squeue=f'[ "$(wc -l < {shows} 2>/dev/null || echo 0)" -ge 4 ] || echo "PENDING|(null)|BeginTime"',
+        scontrol=(
+            f'case "$1 $2" in\n'
+            f'  "--oneliner show") echo >> {shows}; [ "$(wc -l < {shows})" -ge 4 ] && exit 1\n'
+            f'    echo "JobId=42 JobName=r1 JobState=PENDING Reason=BeginTime Restarts=1 NodeList=(null)";;\n'
+            "esac"
+        ),
+        sacct=(
+            'case "$*" in *--duplicates*) printf "PREEMPTED\\nPENDING\\n";; '
+            '*) echo "COMPLETED|0:0|n[1-2]";; esac'
+        ),
+    )
+    run.append_event("start")
+    run.write_status(state="done", step=100, max_steps=100)
+    from runcontract.states import EventKind
+
+    run.append_event(EventKind.EXIT, exit_code=0, state="done", step=100)
+    result = rlmctl(
+        "-i", str(local_inventory), "watch", "r1", "--poll", "0.2", env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    [requeue] = [e for e in run.events() if e.kind == EventKind.REQUEUED]
+    assert requeue.fields["reason"] == "PREEMPTED"
+    log = tmp_path / "scontrol.log"
+    assert "StartTime=now" not in (log.read_text() if log.exists() else "")
+
+
 def test_status_shows_the_pending_reason_and_the_allocated_nodes(
     local_inventory: Path, tmp_path: Path
 ) -> None:
