@@ -474,25 +474,21 @@ class Backend:
         )
         restarts = int(fields.get("Restarts", "0") or 0)
         state, reason = fields.get("JobState", ""), fields.get("Reason", "")
-        if restarts > 0 and not any(
-            e.kind == EventKind.REQUEUED
-            and str(e.fields.get("job_id")) == job_id
-            and e.fields.get("restart") == restarts
+        requeues = [
+            e.fields
             for e in run.events()
-        ):
+            if e.kind == EventKind.REQUEUED and str(e.fields.get("job_id")) == job_id
+        ]
+        if restarts > 0 and not any(seen.get("restart") == restarts for seen in requeues):
             why = self.requeue_reason(job_id)
             run.append_event(
                 EventKind.REQUEUED, job_id=job_id, restart=restarts, reason=why, seen_by="watch"
             )
+            requeues.append({"reason": why})
             say(f"Slurm requeued job {job_id} ({why}); restart {restarts}")
-        requeues = [
-            e
-            for e in run.events()
-            if e.kind == EventKind.REQUEUED and str(e.fields.get("job_id")) == job_id
-        ]
         # A preempted job's hold is left to run out: the job that preempted it needs the nodes
         # first, and a job started at once is preempted again and ends FAILED (seen on the rig).
-        preempted = bool(requeues) and "preempt" in str(requeues[-1].fields.get("reason")).lower()
+        preempted = bool(requeues) and "preempt" in str(requeues[-1].get("reason")).lower()
         if restarts > 0 and state == "PENDING" and reason == "BeginTime" and not preempted:
             self.slurm(
                 ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], "scontrol update failed"

@@ -14,6 +14,7 @@ import pytest
 
 from clusterspec.inventory import load
 from rlmctl import slurm
+from runcontract.states import EventKind
 from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
 
 CONFIG = REPO / "trainer/configs/tiny.yaml"
@@ -285,6 +286,19 @@ def slurm_site(local_inventory: Path, tmp_path: Path, squeue: str, scontrol: str
     return run, env
 
 
+def watch_finished_run(local_inventory: Path, run, env: dict[str, str]):
+    """`rlmctl watch r1` over a run whose trainer has finished: watch follows the Slurm job
+    (the stand-ins) until it is gone, then exits 0."""
+    run.append_event("start")
+    run.write_status(state="done", step=100, max_steps=100)
+    run.append_event(EventKind.EXIT, exit_code=0, state="done", step=100)
+    result = rlmctl(
+        "-i", str(local_inventory), "watch", "r1", "--poll", "0.2", env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result
+
+
 def test_watch_records_a_slurm_requeue_and_lifts_its_hold(
     local_inventory: Path, tmp_path: Path
 ) -> None:
@@ -309,15 +323,7 @@ def test_watch_records_a_slurm_requeue_and_lifts_its_hold(
             '*) echo "COMPLETED|0:0|n[1-2]";; esac'
         ),
     )
-    run.append_event("start")
-    run.write_status(state="done", step=100, max_steps=100)
-    from runcontract.states import EventKind
-
-    run.append_event(EventKind.EXIT, exit_code=0, state="done", step=100)
-    result = rlmctl(
-        "-i", str(local_inventory), "watch", "r1", "--poll", "0.2", env=env, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
+    result = watch_finished_run(local_inventory, run, env)
     requeues = [e for e in run.events() if e.kind == EventKind.REQUEUED]
     assert len(requeues) == 1, requeues
     assert requeues[0].fields == {
@@ -352,15 +358,7 @@ def test_watch_leaves_a_preempted_jobs_hold_to_the_preemptor(
             '*) echo "COMPLETED|0:0|n[1-2]";; esac'
         ),
     )
-    run.append_event("start")
-    run.write_status(state="done", step=100, max_steps=100)
-    from runcontract.states import EventKind
-
-    run.append_event(EventKind.EXIT, exit_code=0, state="done", step=100)
-    result = rlmctl(
-        "-i", str(local_inventory), "watch", "r1", "--poll", "0.2", env=env, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
+    watch_finished_run(local_inventory, run, env)
     [requeue] = [e for e in run.events() if e.kind == EventKind.REQUEUED]
     assert requeue.fields["reason"] == "PREEMPTED"
     log = tmp_path / "scontrol.log"
