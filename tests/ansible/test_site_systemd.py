@@ -1,4 +1,4 @@
-"""site.yml on bare systemd nodes, as a new user meets it: 1 mgmt + 3 compute nodes of Debian 12
+"""site.yml on bare systemd nodes, as a new user meets it: 1 mgmt + 2 compute nodes of Debian 12
 and of Debian 13 (tests/rig/booted.py), the example inventory's shape (vendor none, no Lustre).
 
 The nodes start with what the first runs on real nodes tripped over: no service user, no chrony, no
@@ -9,8 +9,8 @@ reaches Prometheus and Alertmanager); the reboot test comes last.
 
 The air-gapped site (its own section below): preflight names what a node cannot fetch; verify.yml
 and `rlmctl health` give one verdict on the shared directory. With RLM_TEST_FULL_WHEELHOUSES=1,
-node4 (Debian 12) and node8 (Debian 13) also install torch, the bundle and every dependency from
-full wheelhouses built by `rlmctl wheelhouse` for their Python (cp311: 262 MiB, cp313: 2.7 GB of
+a third compute node of each release (node4, Debian 12; node8, Debian 13) installs torch, the
+bundle and every dependency from full wheelhouses built by `rlmctl wheelhouse` for their Python (cp311: 262 MiB, cp313: 2.7 GB of
 PyPI's CUDA torch and its nvidia-* wheels), offline, and a short training runs on node8. That adds
 about 20-25 min to the module on a fresh 2-core machine (two builds, the wheels copied to the nodes,
 torch installed twice), so `make test` leaves it out; `make test-wheelhouses` runs it.
@@ -59,12 +59,19 @@ FULL_WHEELHOUSES = os.environ.get("RLM_TEST_FULL_WHEELHOUSES") == "1"
 needs_full_wheelhouses = pytest.mark.skipif(
     not FULL_WHEELHOUSES, reason="RLM_TEST_FULL_WHEELHOUSES=1 (make test-wheelhouses) runs it"
 )
-# The module's fixture runs site.yml three times on 8 nodes (about 10 min on 2 quiet cores); with
+# The module's fixture runs site.yml three times on 6 nodes (8 with the full wheelhouses); with
 # the full wheelhouses it builds two of them (cached until the bundle changes) first.
 pytestmark = [pytest.mark.rig, pytest.mark.timeout(7200 if FULL_WHEELHOUSES else 3600)]
 SLOT = 6  # see docs/rig.md for the slots of each module
-RELEASES = ["bookworm"] * 4 + ["trixie"] * 4
-MGMT = ("node1", "node5")
+# Per release a mgmt node and two compute nodes (the alerting tests need a quiet one beside the
+# one they break); the full wheelhouses add a third compute node per release for their installs.
+PER_RELEASE = 4 if FULL_WHEELHOUSES else 3
+RELEASES = ["bookworm"] * PER_RELEASE + ["trixie"] * PER_RELEASE
+MGMT = ("node1", f"node{PER_RELEASE + 1}")
+# The Debian 12 and Debian 13 nodes that install everything from the full wheelhouses (opt-in).
+BOOKWORM_OFFLINE, TRIXIE_OFFLINE = f"node{PER_RELEASE}", f"node{2 * PER_RELEASE}"
+# A Debian 13 compute node that none of them is: the preflight test breaks its sources.
+TRIXIE_SPARE = f"node{2 * PER_RELEASE - 1}"
 PASSWORD = "Rig-password-1"  # of a throwaway account on throwaway nodes
 CLOUD_INIT_SSHD = "/etc/ssh/sshd_config.d/50-cloud-init.conf"
 EVERY_NODE_UNITS = ("ssh", "nftables", "prometheus-node-exporter", "rlm-exporter")
@@ -72,7 +79,7 @@ MGMT_UNITS = ("prometheus", "prometheus-alertmanager")
 EXPORTER_UID = 9410  # rlm_exporter_uid's default
 SERVICE_UID = 2000  # users_ssh_service_uid's default
 # Compute nodes that take torch and everything else from a full wheelhouse for their Python.
-OFFLINE = {"node4": "3.11", "node8": "3.13"} if FULL_WHEELHOUSES else {}
+OFFLINE = {BOOKWORM_OFFLINE: "3.11", TRIXIE_OFFLINE: "3.13"} if FULL_WHEELHOUSES else {}
 SANDBOX = {
     "User": "rlm-exporter",
     "NoNewPrivileges": "yes",
@@ -389,7 +396,7 @@ def loop_items(run: PlaybookRun, host: str, task: str) -> list[dict]:
 def test_full_wheelhouses_install_offline_and_a_rerun_reads_only_their_manifests(
     site: Site,
 ) -> None:
-    """Debian 12's node4 and Debian 13's node8 (no route to any index) install torch, the bundle
+    """A Debian 12 and a Debian 13 node (no route to any index) install torch, the bundle
     and every [train] dependency from the wheelhouse built for their Python; the first run copies
     every wheel and pip checks each hash; the rerun compares manifests and copies nothing."""
     assert site.first.rc == 0
@@ -415,28 +422,30 @@ def test_full_wheelhouses_install_offline_and_a_rerun_reads_only_their_manifests
         assert not site.second.ran(name, "Bring the node's wheelhouse to the controller's manifest")
         assert not site.second.ran(name, "Install torch and the bundle from the wheelhouse")
     # The builder verified the cp311 one in a clean venv of Python 3.11 before moving it into place.
-    verified = json.loads((site.wheelhouses["node4"] / "manifest.json").read_text())["verified"]
+    cp311 = site.wheelhouses[BOOKWORM_OFFLINE]
+    verified = json.loads((cp311 / "manifest.json").read_text())["verified"]
     assert verified["python"].startswith("3.11.") and verified["torch"].startswith("2.13.0")
 
 
 def test_preflight_names_what_a_node_cannot_fetch_and_changes_nothing(
     site: Site, tmp_path: Path
 ) -> None:
-    """node7 given no wheelhouse (the PyTorch index, unreachable from the rig) and an apt source
-    no mirror answers; with the full wheelhouses, node8 (Debian 13, Python 3.13) given the
+    """A Debian 13 node given no wheelhouse (the PyTorch index, unreachable from the rig) and an
+    apt source no mirror answers; with the full wheelhouses, another (Python 3.13) given the
     Debian 12 one. Each node's one line says what it cannot have and how to provide it."""
     assert site.first.rc == 0
     rig = site.rig
     inventory = yaml.safe_load(site.inventory.read_text())
     hosts = inventory["all"]["hosts"]
-    limit = ["node7"]
+    spare, offline, cp311 = TRIXIE_SPARE, TRIXIE_OFFLINE, site.wheelhouses.get(BOOKWORM_OFFLINE)
+    limit = [spare]
     if FULL_WHEELHOUSES:
-        hosts["node8"] |= {"rlm_wheelhouse": str(site.wheelhouses["node4"])}
-        limit.append("node8")
-    hosts["node7"] |= {"rlm_wheelhouse": "", "trainer_env_torch_source": "index"}
+        hosts[offline] |= {"rlm_wheelhouse": str(cp311)}
+        limit.append(offline)
+    hosts[spare] |= {"rlm_wheelhouse": "", "trainer_env_torch_source": "index"}
     gone = f"http://{rig.layout.bridge_ip}:9/debian"  # the real host: nothing listens on 9
     sources = "/etc/apt/sources.list.d/gone-mirror.list"
-    rig.exec("node7", f"echo 'deb [trusted=yes] {gone} trixie main' > {sources}")
+    rig.exec(spare, f"echo 'deb [trusted=yes] {gone} trixie main' > {sources}")
     try:
         run = run_playbook(
             "site.yml",
@@ -446,28 +455,30 @@ def test_preflight_names_what_a_node_cannot_fetch_and_changes_nothing(
             timeout=600,
         )
     finally:
-        rig.exec("node7", f"rm -f {sources}")
+        rig.exec(spare, f"rm -f {sources}")
     assert run.rc != 0
     if FULL_WHEELHOUSES:
-        [node8] = run.failures("node8")
+        [wrong_python] = run.failures(offline)
         assert (
-            f"node8: rlm_wheelhouse={site.wheelhouses['node4']} is built for Python 3.11 (cp311), "
+            f"{offline}: rlm_wheelhouse={cp311} is built for Python 3.11 (cp311), "
             "this node's venv Python is 3.13: build one for this node with `rlmctl wheelhouse "
             "--python 3.13 --vendor none --glibc 2.41 --out DIR (on a connected machine)` and set "
-            "rlm_wheelhouse to it for these nodes" in node8
-        ), node8
-    [node7] = run.failures("node7")
-    assert node7.startswith("common : Stop on a source this node cannot reach: node7 cannot"), node7
+            "rlm_wheelhouse to it for these nodes" in wrong_python
+        ), wrong_python
+    [unreachable] = run.failures(spare)
+    assert unreachable.startswith(
+        f"common : Stop on a source this node cannot reach: {spare} cannot"
+    ), unreachable
     assert (
-        "Python index https://download.pytorch.org/whl/cpu/torch/ (" in node7
+        "Python index https://download.pytorch.org/whl/cpu/torch/ (" in unreachable
         and "): build a wheelhouse for this node on a connected machine (`rlmctl wheelhouse "
         "--python 3.13 --vendor none --glibc 2.41 --out DIR`) and set rlm_wheelhouse=DIR"
-        in node7
-    ), node7
+        in unreachable
+    ), unreachable
     assert (
         f"apt source {gone}/dists/trixie/InRelease (Connection refused): point the node's apt "
-        "sources at a reachable mirror" in node7
-    ), node7
+        "sources at a reachable mirror" in unreachable
+    ), unreachable
     assert {r.play for r in run.results} == {"Validate variables before any change"}
     assert all(run.changed(host) == [] for host in limit)
 
@@ -504,7 +515,7 @@ def test_verify_and_health_give_one_verdict_on_the_shared_directory(
     assert site.first.rc == 0
     runs = site.rig.shared_dir / "runs"
     # Debian 12 and 13, each with torch in its venv (Debian 13's from the cp313 wheelhouse).
-    hosts = ["node2", "node8"] if FULL_WHEELHOUSES else ["node2", "node3"]
+    hosts = ["node2", TRIXIE_OFFLINE] if FULL_WHEELHOUSES else ["node2", "node3"]
     assert runs.stat().st_uid == SERVICE_UID
     os.chown(runs, 0, 0)
     try:
@@ -534,12 +545,18 @@ def test_verify_and_health_give_one_verdict_on_the_shared_directory(
 
 @needs_full_wheelhouses
 def test_a_short_training_runs_on_the_debian_13_node(site: Site) -> None:
-    """The trainer from node8's venv (Python 3.13, torch from the cp313 wheelhouse) trains the
+    """The trainer from the Debian 13 offline node's venv (Python 3.13, torch from the cp313 wheelhouse) trains the
     tiny model to its last step, launched by rlmctl over SSH."""
     assert site.first.rc == 0
     prepare_corpus(site.rig, REPO)
     run = "debian13-tiny"
-    argv = ["--limit", "node8", "launch", "--config", str(REPO / "trainer/configs/tiny.yaml")]
+    argv = [
+        "--limit",
+        TRIXIE_OFFLINE,
+        "launch",
+        "--config",
+        str(REPO / "trainer/configs/tiny.yaml"),
+    ]
     argv += ["--name", run, "--nodes", "1", "data.path=data", "train.steps=8"]
     launched = rlmctl("-i", str(site.inventory), *argv, "metrics.log_every=1", timeout=240)
     assert launched.returncode == 0, launched.stdout + launched.stderr
