@@ -116,6 +116,18 @@ def test_the_roles_read_vendor_facts_from_the_descriptions() -> None:
     assert repeated == [], repeated
 
 
+def test_every_vendor_names_its_slurm_gres_device_files() -> None:
+    """gres.conf's File= of every described vendor: the slurm role has no table of its own in
+    which a new vendor could be missing (and its nodes get no GPUs)."""
+    files = {name: fact["gres_files"] for name, fact in _role_facts().items()}
+    assert files == {
+        "nvidia": {"prefix": "/dev/nvidia", "first": 0},
+        "amd": {"prefix": "/dev/dri/renderD", "first": 128},
+    }
+    defaults = (REPO / "roles/slurm/defaults/main.yml").read_text(encoding="utf-8")
+    assert "slurm_gres_files: \"{{ lookup('rlm_vendor', attribute='gres_files') }}\"" in defaults
+
+
 NVIDIA_POWER = (
     # nvidia-smi --query-gpu=index,power.min_limit,power.max_limit,power.limit,
     # power.default_limit,persistence_mode --format=csv,noheader,nounits (H100 SXM, driver 550)
