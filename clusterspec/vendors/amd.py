@@ -239,6 +239,7 @@ TOOLKIT_HOME = "/opt/rocm"
 # rccl-tests at a pinned tag; built with `make` and these arguments ({toolkit}: TOOLKIT_HOME).
 BANDWIDTH_TEST_SOURCE = ("https://github.com/ROCm/rccl-tests.git", "rocm-6.2.4")
 BANDWIDTH_TEST_MAKE_ARGS = ("HIP_HOME={toolkit}", "NCCL_HOME={toolkit}")
+NET_PLUGIN = "aws-ofi-rccl"  # RCCL over libfabric (Slingshot, EFA): comm_net_plugin
 # The exporter of EXPORTER_JOB (gpu_exporter): its packages and services.
 EXPORTER_PACKAGES = ("amdgpu-exporter",)
 EXPORTER_SERVICES = ("amd-metrics-exporter",)
@@ -322,6 +323,7 @@ DESCRIPTION = Vendor(
     TOOLKIT_HOME=TOOLKIT_HOME,
     BANDWIDTH_TEST_SOURCE=BANDWIDTH_TEST_SOURCE,
     BANDWIDTH_TEST_MAKE_ARGS=BANDWIDTH_TEST_MAKE_ARGS,
+    NET_PLUGIN=NET_PLUGIN,
     EXPORTER_PACKAGES=EXPORTER_PACKAGES,
     EXPORTER_SERVICES=EXPORTER_SERVICES,
     TORCH_INDEX_URL=TORCH_INDEX_URL,

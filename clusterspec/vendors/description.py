@@ -81,6 +81,7 @@ class Vendor:
     # The bandwidth test's (repository, tag) and its `make` arguments ({toolkit}: TOOLKIT_HOME).
     BANDWIDTH_TEST_SOURCE: tuple[str, str]
     BANDWIDTH_TEST_MAKE_ARGS: tuple[str, ...]
+    NET_PLUGIN: str  # the libfabric network plugin of its collectives (comm_net_plugin)
     EXPORTER_PACKAGES: tuple[str, ...]
     EXPORTER_SERVICES: tuple[str, ...]
     TORCH_INDEX_URL: str

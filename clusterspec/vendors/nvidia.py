@@ -314,6 +314,7 @@ TOOLKIT_HOME = "/usr/local/cuda"
 # nccl-tests at a pinned tag; built with `make` and these arguments ({toolkit}: TOOLKIT_HOME).
 BANDWIDTH_TEST_SOURCE = ("https://github.com/NVIDIA/nccl-tests.git", "v2.13.11")
 BANDWIDTH_TEST_MAKE_ARGS = ("CUDA_HOME={toolkit}", "NCCL_HOME=/usr")
+NET_PLUGIN = "aws-ofi-nccl"  # NCCL over libfabric (EFA): comm_net_plugin
 # The exporter of EXPORTER_JOB (gpu_exporter): its packages and services.
 EXPORTER_PACKAGES = ("datacenter-gpu-manager", "dcgm-exporter")
 EXPORTER_SERVICES = ("nvidia-dcgm", "dcgm-exporter")
@@ -382,6 +383,7 @@ DESCRIPTION = Vendor(
     TOOLKIT_HOME=TOOLKIT_HOME,
     BANDWIDTH_TEST_SOURCE=BANDWIDTH_TEST_SOURCE,
     BANDWIDTH_TEST_MAKE_ARGS=BANDWIDTH_TEST_MAKE_ARGS,
+    NET_PLUGIN=NET_PLUGIN,
     EXPORTER_PACKAGES=EXPORTER_PACKAGES,
     EXPORTER_SERVICES=EXPORTER_SERVICES,
     TORCH_INDEX_URL=TORCH_INDEX_URL,
