@@ -27,7 +27,7 @@ SYS_MODULE = Path("/sys/module")
 
 def tools() -> dict[str, Vendor]:
     """Every GPU tool -> its vendor, in detection order."""
-    return {tool: module for module in VENDORS.values() for tool in module.TOOLS}
+    return {tool: vendor for vendor in VENDORS.values() for tool in vendor.TOOLS}
 
 
 def tool_of(tool: str) -> Vendor:
@@ -43,7 +43,7 @@ def detect_tool(which: Callable[[str], str | None] = shutil.which) -> str | None
     """The first installed tool of a vendor whose driver is loaded; None on a node without GPUs
     (or whose driver is loaded but none of its tools installed)."""
     return next(
-        (tool for tool, module in tools().items() if driver_loaded(module.NAME) and which(tool)),
+        (tool for tool, vendor in tools().items() if driver_loaded(vendor.NAME) and which(tool)),
         None,
     )
 
