@@ -108,7 +108,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                     }
                 },
                 "rack1": {"hosts": {"gpu1": None, "gpu2": None}},
-                "rack2": {"hosts": {"mi1": None, "cpu1": None}},
+                "rack2": {"hosts": {"mi1": None, "cpu1": None, "odd1": None}},
             },
             "vars": {
                 **local,
@@ -182,7 +182,7 @@ def test_slurm_conf_site_settings(rendered: dict[str, str]) -> None:
 def test_topology_conf_from_the_inventorys_switch_groups(rendered: dict[str, str]) -> None:
     assert lines_of(rendered["topology.conf"], "SwitchName=") == [
         "SwitchName=leaf1 Nodes=gpu1,gpu2",
-        "SwitchName=leaf2 Nodes=mi1,cpu1",
+        "SwitchName=leaf2 Nodes=mi1,cpu1,odd1",
         "SwitchName=spine Switches=leaf1,leaf2",
     ]
 
