@@ -4,8 +4,8 @@ From what the node itself reports, gathered by the slurm role on every compute n
 again on the node at run time, `python -m clusterspec.binding plan`):
 
 - `lscpu --parse=CPU,CORE,SOCKET,NODE`: every online CPU's core, socket and NUMA node;
-- the vendor's topology command (clusterspec.vendors.<vendor>_topology.COMMAND): `nvidia-smi
-  topo -m` prints the CPUs near each GPU (CPU Affinity) and their NUMA node; `rocm-smi
+- the vendor's topology command (its description's TOPOLOGY.COMMAND, read by TOPOLOGY.locality):
+  `nvidia-smi topo -m` prints the CPUs near each GPU (CPU Affinity) and their NUMA node; `rocm-smi
   --showtopo` the NUMA node of each GPU (its "Numa Nodes" block, also `--showtoponuma`).
   nvidia-smi run inside a cpuset (a Slurm job) prints an empty CPU Affinity for a GPU whose CPUs
   are all outside it: the NUMA node then says which CPUs are near it.
@@ -35,20 +35,16 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from clusterspec.vendors import VENDORS, amd, amd_topology, nvidia_topology
+from clusterspec.vendors import VENDORS
 from clusterspec.vendors.readings import ToolError, by_sku
 
 LSCPU = ("lscpu", "--parse=CPU,CORE,SOCKET,NODE")
-# The GPUs' model, for gres.conf Type= (one name per line; rocm-smi: {"card0": {"Card series": ..}}).
-GPU_NAME_QUERY = {
-    "nvidia": ("nvidia-smi", "--query-gpu=name", "--format=csv,noheader"),
-    "amd": ("rocm-smi", "--showproductname", "--json"),
-}
 # Per local rank, its CPUs: "0-13,112-125;14-27,126-139;..." (`pin` reads it with LOCAL_RANK).
 RANK_CPUS_ENV = "RLM_RANK_CPUS"
-_VENDOR_WORDS = {"NVIDIA", "AMD", "INSTINCT", "TESLA", "RADEON"}
 
 
 class BindingError(ValueError):
@@ -74,7 +70,7 @@ def parse_cpulist(text: str) -> list[int]:
     return sorted(set(out))
 
 
-def format_cpulist(cpus) -> str:
+def format_cpulist(cpus: Iterable[int]) -> str:
     """[0, 1, 2, 3, 8] -> '0-3,8' (the kernel's and Slurm's notation)."""
     ranges: list[list[int]] = []
     for cpu in sorted(set(cpus)):
@@ -127,7 +123,7 @@ def parse_lscpu(text: str) -> list[Cpu]:
 class NodeCpus:
     """A node's CPUs, and Slurm's numbering of its cores."""
 
-    cpus: tuple
+    cpus: tuple[Cpu, ...]
 
     @classmethod
     def from_lscpu(cls, text: str) -> NodeCpus:
@@ -166,12 +162,12 @@ class NodeCpus:
     def numa_cpus(self, node: int) -> list[int]:
         return [c.cpu for c in self.cpus if c.node == node]
 
-    def slurm_cores(self, cpus) -> str:
+    def slurm_cores(self, cpus: Iterable[int]) -> str:
         """The Slurm core indices ('0-27') of the cores holding any of `cpus`."""
         index = self.core_index()
         return format_cpulist(index[cpu] for cpu in cpus if cpu in index)
 
-    def cores_of(self, cpus) -> list[list[int]]:
+    def cores_of(self, cpus: Iterable[int]) -> list[list[int]]:
         """The cores holding any of `cpus`, in Slurm's order, each as its CPUs among `cpus`."""
         wanted = set(cpus)
         by_core: dict[tuple[int, int], list[int]] = {}
@@ -188,14 +184,10 @@ def gpu_cpus(node: NodeCpus, vendor: str, topology_text: str, gpus: int) -> dict
     if vendor not in VENDORS:
         return {gpu: everything for gpu in range(gpus)}
     try:
-        if vendor == "nvidia":
-            topo = nvidia_topology.parse(topology_text)
-            listed, affinity, numa = topo.gpus, topo.cpu_affinity, topo.numa
-        else:
-            numa = amd_topology.numa_affinity(topology_text)
-            listed, affinity = sorted(numa, key=int), {}
+        topo = VENDORS[vendor].TOPOLOGY.locality(topology_text)
     except ToolError as error:
         raise BindingError(str(error)) from None
+    listed, affinity, numa = topo.gpus, topo.cpu_affinity, topo.numa
     command = " ".join(VENDORS[vendor].TOPOLOGY.COMMAND)
     if len(listed) < gpus:
         raise BindingError(f"{command} lists {len(listed)} GPUs, the node should have {gpus}")
@@ -210,10 +202,10 @@ def gpu_cpus(node: NodeCpus, vendor: str, topology_text: str, gpus: int) -> dict
     return out
 
 
-def gres_lines(node: NodeCpus, near: dict[int, list[int]]) -> list[dict]:
+def gres_lines(node: NodeCpus, near: dict[int, list[int]]) -> list[dict[str, Any]]:
     """gres.conf lines of a node: runs of consecutive GPUs near the same cores, each with its
     first and last GPU index and Slurm's core indices ('0-27')."""
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for gpu in sorted(near):
         cores = node.slurm_cores(near[gpu])
         if out and out[-1]["cores"] == cores and out[-1]["last"] == gpu - 1:
@@ -232,25 +224,24 @@ def gpu_type(vendor: str, names: list[str]) -> str:
         raise BindingError(f"the node has GPUs of several models ({'; '.join(models)})")
     if not models:
         raise BindingError("the GPU query printed no model name")
-    module = VENDORS.get(vendor)
-    _, sku = by_sku(module.PEAK_BF16_FLOPS, models[0]) if module else (None, None)
-    words = [w for w in re.split(r"[\s/]+", sku or models[0]) if w.upper() not in _VENDOR_WORDS]
+    description = VENDORS.get(vendor)
+    _, sku = by_sku(description.PEAK_BF16_FLOPS, models[0]) if description else (None, None)
+    brand = description.BRAND_WORDS if description else frozenset()
+    words = [w for w in re.split(r"[\s/]+", sku or models[0]) if w.upper() not in brand]
     return re.sub(r"[^a-z0-9]+", "_", " ".join(words).lower()).strip("_")
 
 
 def gpu_names(vendor: str, text: str) -> list[str]:
-    """Model names printed by GPU_NAME_QUERY[vendor]."""
-    if vendor == "amd":
-        try:
-            return [gpu.name or "" for gpu in amd.parse_rocm_smi(text).gpus]
-        except ToolError as error:
-            raise BindingError(str(error)) from None
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    """Model names printed by the vendor's NAME_QUERY."""
+    try:
+        return VENDORS[vendor].parse_names(text)
+    except ToolError as error:
+        raise BindingError(str(error)) from None
 
 
 @dataclass(frozen=True)
 class RankPlan:
-    ranks: tuple  # per local rank, its Linux CPU ids
+    ranks: tuple[tuple[int, ...], ...]  # per local rank, its Linux CPU ids
 
     @property
     def cpus_per_task(self) -> int:
@@ -265,7 +256,7 @@ class RankPlan:
         """srun --cpu-bind for one task per GPU: task t gets rank t's CPUs."""
         return "mask_cpu:" + ",".join(hex(sum(1 << cpu for cpu in cpus)) for cpus in self.ranks)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "cpus_per_task": self.cpus_per_task,
             "cpu_bind": self.cpu_bind,
@@ -277,7 +268,7 @@ class RankPlan:
 def rank_plan(node: NodeCpus, near: dict[int, list[int]]) -> RankPlan:
     """Rank r (GPU r) gets an equal share of the cores near GPU r, none shared with another
     rank: the GPUs near the same CPUs split those cores in GPU order."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[int, ...], list[int]] = {}
     for gpu in sorted(near):
         groups.setdefault(tuple(near[gpu]), []).append(gpu)
     taken: set[int] = set()
@@ -303,7 +294,7 @@ def node_binding(
     topology_text: str | None = "",
     names_text: str | None = "",
     gpu_type_setting: str = "",
-) -> dict:
+) -> dict[str, Any]:
     """What the slurm role renders for one node: its CPU layout for the node line, and per run of
     GPUs the cores near them (gres.conf) with the GPUs' type, and the rank plan. topology_text
     None: the GPUs' topology could not be read (a driver not loaded until the next boot), so no
@@ -331,7 +322,7 @@ def node_binding(
     }
 
 
-def _run(argv) -> str:
+def _run(argv: Sequence[str]) -> str:
     if shutil.which(argv[0]) is None:
         raise BindingError(f"{argv[0]} is not installed")
     result = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
@@ -341,7 +332,7 @@ def _run(argv) -> str:
     return result.stdout
 
 
-def plan_here(gpus: int, vendor: str = "auto") -> dict:
+def plan_here(gpus: int, vendor: str = "auto") -> dict[str, Any]:
     """node_binding of this host, from its own lscpu and vendor tools."""
     from clusterspec.vendors import detect_vendor
 
@@ -349,11 +340,11 @@ def plan_here(gpus: int, vendor: str = "auto") -> dict:
     topology = names = ""
     if vendor in VENDORS and gpus > 0:
         topology = _run(VENDORS[vendor].TOPOLOGY.COMMAND)
-        names = _run(GPU_NAME_QUERY[vendor])
+        names = _run(VENDORS[vendor].NAME_QUERY)
     return node_binding(_run(LSCPU), vendor, gpus, topology, names)
 
 
-def pin(argv: list[str], environ=os.environ) -> None:
+def pin(argv: list[str], environ: Mapping[str, str] = os.environ) -> None:
     """Pin this process to its local rank's CPUs (RANK_CPUS_ENV, LOCAL_RANK), then exec argv: a
     torchrun worker keeps its pid and runs only on the cores near its GPU."""
     lists = [part for part in environ.get(RANK_CPUS_ENV, "").split(";") if part]

@@ -13,11 +13,14 @@ Standard library only, Python 3.8+ (nodes run it with their system python3).
     python3 shared_dir.py '{"path": "/lustre", "user": "rlm", "fs": "lustre", "min_free_gib": 10}'
 """
 
+from __future__ import annotations
+
 import json
 import os
 import pwd
 import subprocess
 import sys
+from typing import Any
 
 OK, WARN, CRIT = "OK", "WARN", "CRIT"
 # Use of the filesystem: WARN and CRIT at these percentages (fleet practice: >= 95 % is critical).
@@ -43,7 +46,7 @@ for directory in sys.argv[1:]:
 """
 
 
-def mount_of(path):
+def mount_of(path: str) -> tuple[str, str, str]:
     """(mount point, fstype, source) of the filesystem holding `path`."""
     best = ("/", "?", "?")
     real = os.path.realpath(path)
@@ -60,7 +63,7 @@ def mount_of(path):
     return best
 
 
-def provide_advice(path, fs):
+def provide_advice(path: str, fs: str) -> str:
     """How to make `path` exist as the shared filesystem, for the site's rlm_shared_fs."""
     if fs == "lustre":
         return (
@@ -73,7 +76,7 @@ def provide_advice(path, fs):
     )
 
 
-def owner_advice(path, user, fs, paths):
+def owner_advice(path: str, user: str, fs: str, paths: list[str]) -> str:
     targets = " ".join(paths)
     if fs == "lustre":
         return (
@@ -91,14 +94,14 @@ def owner_advice(path, user, fs, paths):
     )
 
 
-def write_check(directories, user):
+def write_check(directories: list[str], user: pwd.struct_passwd) -> tuple[str, str] | None:
     """None when `user` can write in every directory, else (the first directory it cannot write
     in, why). As root: tried as that user for real; as the user itself: directly; as anyone else:
     judged by the mode bits."""
     me = os.geteuid()
     if me == user.pw_uid or (me == 0 and sys.version_info >= (3, 9)):
         argv = [sys.executable, "-c", WRITE_PROBE, *directories]
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if me != user.pw_uid:
             groups = os.getgrouplist(user.pw_name, user.pw_gid)
             kwargs = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": groups}
@@ -120,7 +123,7 @@ def write_check(directories, user):
     return None
 
 
-def inspect(cfg):
+def inspect(cfg: dict[str, Any]) -> dict[str, str]:
     """The verdict on cfg["path"]: {"name", "state", "detail", "fix"}, the health check's shape.
 
     cfg: path, user (the service user; None: whoever runs the check, e.g. a local demo), fs
@@ -133,7 +136,7 @@ def inspect(cfg):
     limits = dict(
         THRESHOLDS, **{k: v for k, v in (cfg.get("thresholds") or {}).items() if k in THRESHOLDS}
     )
-    findings = []  # (state, problem or None, fix)
+    findings: list[tuple[str, str, str | None]] = []  # (state, problem, fix)
     if not os.path.isdir(path):
         findings.append((CRIT, path + " does not exist", provide_advice(path, fs)))
         return _verdict(findings, "")
@@ -150,16 +153,16 @@ def inspect(cfg):
             findings.append((WARN, "the service user " + user_name + " does not exist here", fix))
     runs = os.path.join(path, "runs")
     directories = [path] + ([runs] if os.path.isdir(runs) else [])
-    strangers = []
-    for directory in directories if user else []:
+    strangers: list[tuple[str, str]] = []
+    for directory in directories:
         uid = os.stat(directory).st_uid
-        if uid != user.pw_uid:
+        if user is not None and uid != user.pw_uid:
             try:
                 owner = pwd.getpwuid(uid).pw_name
             except KeyError:
                 owner = "uid " + str(uid)
             strangers.append((directory, owner))
-    if strangers:
+    if user is not None and strangers:
         problem = "; ".join(d + " is owned by " + o + ", not " + user.pw_name for d, o in strangers)
         fix = owner_advice(path, user.pw_name, fs, [d for d, _ in strangers])
         findings.append((CRIT, problem, fix))
@@ -188,11 +191,11 @@ def inspect(cfg):
     return _verdict(findings, usage + " (" + fstype + ")" + owner)
 
 
-def _verdict(findings, healthy):
+def _verdict(findings: list[tuple[str, str, str | None]], healthy: str) -> dict[str, str]:
     """One check: the worst state, every problem in one line, each fix once."""
     rank = {OK: 0, WARN: 1, CRIT: 2}
-    state = max((f[0] for f in findings), key=rank.get, default=OK)
-    fixes = []
+    state = max((f[0] for f in findings), key=lambda name: rank[name], default=OK)
+    fixes: list[str] = []
     for _, _, fix in findings:
         if fix and fix not in fixes:
             fixes.append(fix)

@@ -4,6 +4,7 @@ Python 3.8, and the only source of vendor facts for the gate, the exporter and t
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,115 @@ def test_the_roles_read_vendor_facts_from_the_descriptions() -> None:
                 if any(value in line for line in lines)
             ]
     assert repeated == [], repeated
+
+
+def test_every_vendor_names_its_slurm_gres_device_files() -> None:
+    """gres.conf's File= of every described vendor: the slurm role has no table of its own in
+    which a new vendor could be missing (and its nodes get no GPUs)."""
+    files = {name: fact["gres_files"] for name, fact in _role_facts().items()}
+    assert files == {
+        "nvidia": {"prefix": "/dev/nvidia", "first": 0},
+        "amd": {"prefix": "/dev/dri/renderD", "first": 128},
+    }
+    defaults = (REPO / "roles/slurm/defaults/main.yml").read_text(encoding="utf-8")
+    assert "slurm_gres_files: \"{{ lookup('rlm_vendor', attribute='gres_files') }}\"" in defaults
+
+
+# Where a vendor may be named: its description, its role, documentation and tests (bench/ runs
+# on the tests' stand-ins and fixtures). Role metadata is documentation, except the choices an
+# argument spec validates.
+VENDOR_PLACES = (
+    "clusterspec/vendors/",
+    "docs/",
+    "tests/",
+    "bench/",
+    "monitoring/prometheus/tests/",
+)
+# Every other file that names a vendor or one of its tools today, and why. Each is listed in
+# docs/architecture.md, "A new GPU vendor": the file count there is this list's plus the
+# description's, the role's, the docs' and the tests'.
+NAMES_A_VENDOR = {
+    "clusterspec/variables.yml": "rlm_gpu_vendor's choices (the inventory's spec)",
+    "inventory/example/hosts.yml": "the example inventory's group per vendor",
+    "inventory/example/group_vars/compute_amd.yml": "the example group's settings",
+    "inventory/example/group_vars/compute_nvidia.yml": "the example group's settings",
+    "playbooks/provision.yml": "the gpu_<vendor> role in the GPU play",
+    "roles/rlm_exporter/meta/argument_specs.yml": "the GPU tools rlm_exporter_gpu_source takes",
+    "roles/trainer_env/tasks/verify.yml": "which torch.version field a vendor's build sets",
+    "rlmctl/deep.py": "the GPU model query of `health --deep` (a shell one-liner per vendor)",
+    "rlmctl/wheelhouse.py": "--vendor's help text",
+    "trainer/distributed.py": "which description a torch build is (torch.version.hip)",
+    "monitoring/exporter.py": "the GPU source metric's help text; XID events (NVIDIA only)",
+    "roles/gpu_detect/tasks/detect.yml": "NVSwitch detection (NVIDIA only)",
+    "roles/gpu_exporter/defaults/main.yml": "dcgm-exporter's collectors (NVIDIA only)",
+    "roles/gpu_exporter/tasks/main.yml": "dcgm-exporter's collectors (NVIDIA only)",
+    "Makefile": "the real rocm-smi, a test package (it runs without a GPU)",
+}
+
+
+def _vendor_words() -> re.Pattern[str]:
+    words = set(vendors.VENDORS)
+    for vendor in vendors.VENDORS.values():
+        words |= {*vendor.TOOLS, vendor.TOPOLOGY.COMMAND[0], vendor.NAME_QUERY[0]}
+        words |= {vendor.POWER_QUERY[0], vendor.POWER_SET[0]}
+    alternatives = "|".join(sorted(map(re.escape, words), key=len, reverse=True))
+    return re.compile(rf"(?<![A-Za-z0-9-])({alternatives})(?![A-Za-z0-9-])", re.IGNORECASE)
+
+
+def _code_strings(path: Path, text: str) -> list[tuple[int, str]]:
+    """(line, text) of what runs or configures: Python's names and non-docstring strings, other
+    files' lines without comments; of a role's metadata only what its argument specs validate."""
+    if path.suffix == ".py":
+        tree = ast.parse(text)
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        out = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if id(node) not in docstrings:
+                    out.append((node.lineno, node.value))
+            elif isinstance(node, ast.Name | ast.Attribute | ast.alias):
+                word = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+                out.append((getattr(node, "lineno", 0), word or getattr(node, "name", "")))
+        return out
+    lines = list(enumerate(text.splitlines(), 1))
+    if path.parent.name == "meta":
+        return [(n, line) for n, line in lines if line.lstrip().startswith("choices:")]
+    return [(n, line) for n, line in lines if not line.lstrip().startswith("#")]
+
+
+def test_no_vendor_is_named_outside_its_description_role_docs_and_tests() -> None:
+    """A vendor name or tool anywhere else is a file a new vendor must find and edit: each such
+    file is known and counted in docs/architecture.md, and a new one fails here."""
+    words = _vendor_words()
+    roles = tuple(f"roles/gpu_{name}/" for name in vendors.VENDORS)
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    found: dict[str, list[str]] = {}
+    for name in tracked:
+        path = REPO / name
+        if name.startswith(VENDOR_PLACES + roles) or path.suffix == ".md" or not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # binary fixtures
+        for line, code in _code_strings(path, text):
+            for match in words.finditer(code):
+                found.setdefault(name, []).append(f"{line}: {match.group(0)}")
+    unexpected = {name: hits for name, hits in found.items() if name not in NAMES_A_VENDOR}
+    assert unexpected == {}, "name the vendor only in its description (clusterspec/vendors)"
+    assert sorted(set(NAMES_A_VENDOR) - set(found)) == [], "no longer names a vendor: unlist it"
+    section = (REPO / "docs/architecture.md").read_text(encoding="utf-8")
+    section = section.split("## A new GPU vendor", 1)[1].split("\n## ", 1)[0]
+    assert [name for name in NAMES_A_VENDOR if f"`{name}`" not in section] == []
 
 
 NVIDIA_POWER = (

@@ -1,37 +1,36 @@
 """One description per GPU vendor (stdlib only, Python 3.8): `nvidia`, `amd`.
 
-A vendor module defines NAME, TOOLS (tool -> command, in detection order), PARSERS (tool -> the
-one parser of its output, returning readings.ParseResult), KERNEL_LOG, xid_events/judge_xids,
-PEAK_BF16_FLOPS and BUSBW_FLOORS_GBPS per SKU, TOPOLOGY (the topology command, parser and
-expected GPU link per SKU), TORCH_DEVICE and DIST_BACKEND. The health gate
-(rlmctl/hostcheck.py, shipped to hosts with this package), `rlmctl health --deep`, the exporter
-(monitoring/gpu.py) and the trainer's MFU (trainer/flops.py) read only these. Adding a vendor:
-docs/architecture.md, "A new GPU vendor".
+A vendor module ends with DESCRIPTION, a description.Vendor: its tools and their parsers, XID
+rules, peaks and floors per SKU, topology, torch device and backend, and the facts the Ansible
+roles read (description.py lists and types every field). The health gate (rlmctl/hostcheck.py,
+shipped to hosts with this package), `rlmctl health --deep`, the exporter (monitoring/gpu.py),
+the trainer's MFU (trainer/flops.py), CPU binding (clusterspec/binding.py) and the roles
+(plugins/) read only VENDORS. Adding a vendor: docs/architecture.md, "A new GPU vendor".
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 
 from clusterspec.vendors import amd, nvidia
+from clusterspec.vendors.description import Vendor
 from clusterspec.vendors.readings import by_sku
 
-VENDORS: dict[str, ModuleType] = {"nvidia": nvidia, "amd": amd}
+VENDORS: dict[str, Vendor] = {"nvidia": nvidia.DESCRIPTION, "amd": amd.DESCRIPTION}
 # /sys/module/<KERNEL_MODULE> exists while a vendor's driver is loaded: that, not an installed
 # tool, makes a GPU node (ROCm's rocm-smi and amd-smi are installed on login nodes and in images
 # without GPUs too). Tests point it at a directory of their own, as they put stand-in tools on PATH.
 SYS_MODULE = Path("/sys/module")
 
 
-def tools() -> dict[str, ModuleType]:
+def tools() -> dict[str, Vendor]:
     """Every GPU tool -> its vendor, in detection order."""
-    return {tool: module for module in VENDORS.values() for tool in module.TOOLS}
+    return {tool: vendor for vendor in VENDORS.values() for tool in vendor.TOOLS}
 
 
-def tool_of(tool: str) -> ModuleType:
+def tool_of(tool: str) -> Vendor:
     return tools()[tool]
 
 
@@ -44,7 +43,7 @@ def detect_tool(which: Callable[[str], str | None] = shutil.which) -> str | None
     """The first installed tool of a vendor whose driver is loaded; None on a node without GPUs
     (or whose driver is loaded but none of its tools installed)."""
     return next(
-        (tool for tool, module in tools().items() if driver_loaded(module.NAME) and which(tool)),
+        (tool for tool, vendor in tools().items() if driver_loaded(vendor.NAME) and which(tool)),
         None,
     )
 
@@ -61,9 +60,11 @@ def vendor_tool(vendor: str, which: Callable[[str], str | None] = shutil.which) 
     return next((tool for tool in candidates if which(tool)), candidates[0])
 
 
-def _lookup(attribute: str, device_name: str) -> tuple[float | None, str | None]:
-    for module in VENDORS.values():
-        value, key = by_sku(getattr(module, attribute), device_name)
+def _lookup(
+    table: Callable[[Vendor], Mapping[str, float]], device_name: str
+) -> tuple[float | None, str | None]:
+    for vendor in VENDORS.values():
+        value, key = by_sku(table(vendor), device_name)
         if value is not None:
             return value, key
     return None, None
@@ -71,11 +72,11 @@ def _lookup(attribute: str, device_name: str) -> tuple[float | None, str | None]
 
 def peak_bf16_flops(device_name: str) -> tuple[float | None, str | None]:
     """(dense bf16 FLOP/s, matched SKU) of a device name such as torch.cuda.get_device_name()."""
-    return _lookup("PEAK_BF16_FLOPS", device_name)
+    return _lookup(lambda vendor: vendor.PEAK_BF16_FLOPS, device_name)
 
 
 def busbw_floor_gbps(device_name: str) -> float | None:
-    return _lookup("BUSBW_FLOORS_GBPS", device_name)[0]
+    return _lookup(lambda vendor: vendor.BUSBW_FLOORS_GBPS, device_name)[0]
 
 
 def expected_gpu_link(vendor: str, device_name: str) -> tuple[str | None, str | None]:

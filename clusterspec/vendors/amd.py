@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from clusterspec.vendors import amd_topology
+from clusterspec.vendors.description import DeviceFiles, GresFiles, Vendor
 from clusterspec.vendors.readings import (
     MIB,
     GpuReading,
+    LinkCounters,
     ParseResult,
     ToolError,
     active,
@@ -30,7 +33,7 @@ DIST_BACKEND = "nccl"
 # The vendor's own exporter (gpu_exporter role): Prometheus job name and port (file_sd).
 EXPORTER_JOB = ("amd-device-metrics", 5000)
 # GPU topology: its command, parser and expected GPU-to-GPU link per SKU (amd_topology.py).
-TOPOLOGY = amd_topology
+TOPOLOGY = amd_topology.TOOL
 BANDWIDTH_TEST = "all_reduce_perf"  # rccl-tests
 
 AMD_SMI = ("amd-smi", "metric", "--json")
@@ -39,13 +42,13 @@ ROCM_SMI = ("rocm-smi", "--showallinfo", "--showmeminfo", "vram", "--json")
 # Detection order: the current tool before the deprecated one.
 TOOLS = {"amd-smi": AMD_SMI, "rocm-smi": ROCM_SMI}
 # amd-smi metric reports the PCIe replays and XGMI errors itself: no separate counters read.
-COUNTERS: dict = {}
-COUNTER_PARSERS: dict = {}
+COUNTERS: dict[str, tuple[str, ...]] = {}
+COUNTER_PARSERS: dict[str, Callable[[str], LinkCounters]] = {}
 KERNEL_LOG = None  # no XID-like kernel messages; RAS errors arrive as ECC counts below
 
 # RAS: any uncorrectable ECC error drains the GPU (judged from the readings, like NVIDIA's ECC).
-XID_CRITICAL: set = set()
-XID_WARNING: set = set()
+XID_CRITICAL: frozenset[int] = frozenset()
+XID_WARNING: frozenset[int] = frozenset()
 
 # Dense bf16 matrix peak per device (one GCD for MI250X), from the datasheets.
 PEAK_BF16_FLOPS = {"MI250X": 191.5e12, "MI300X": 1307e12}
@@ -78,22 +81,22 @@ VIOLATION_REASONS = {
 XGMI_BLOCK = "XGMI_WAFL"
 
 
-def _clock_events(entry: dict) -> dict:
+def _clock_events(entry: dict[str, Any]) -> dict[str, float]:
     statuses = entry.get("violation") or entry.get("throttle")
-    events: dict = {}
+    events: dict[str, float] = {}
     if isinstance(statuses, dict):
         for key, reason in VIOLATION_REASONS.items():
             state = active(statuses.get(key))
             if state is not None:
                 events[reason] = max(state, events.get(reason, 0.0))
-    power = entry.get("power") if isinstance(entry.get("power"), dict) else {}
-    legacy = {"THROTTLED": 1.0, "UNTHROTTLED": 0.0}.get(power.get("throttle_status"))
+    power: dict[str, Any] = entry["power"] if isinstance(entry.get("power"), dict) else {}
+    legacy = {"THROTTLED": 1.0, "UNTHROTTLED": 0.0}.get(power.get("throttle_status", ""))
     if "sw_power_cap" not in events and legacy is not None:
         events["sw_power_cap"] = legacy  # ROCm 6.0-6.1: power throttling only
     return events
 
 
-def _xgmi_errors(entry: dict) -> dict:
+def _xgmi_errors(entry: dict[str, Any]) -> dict[tuple[str, str], float]:
     block = (entry.get("ecc_blocks") or {}).get(XGMI_BLOCK) if isinstance(entry, dict) else None
     errors = {}
     for kind in ("correctable", "uncorrectable"):
@@ -147,7 +150,7 @@ def parse_amd_smi(text: str) -> ParseResult:
     return ParseResult(gpus, problems)
 
 
-def _first(card: dict, *keys: str) -> float | None:
+def _first(card: dict[str, Any], *keys: str) -> float | None:
     for key in keys:
         value = number(card.get(key))
         if value is not None:
@@ -184,7 +187,7 @@ def parse_rocm_smi(text: str) -> ParseResult:
     if not isinstance(data, dict):
         raise ToolError("rocm-smi JSON is not an object keyed by card")
     key = ROCM_SMI_KEYS
-    system = data.get("system") if isinstance(data.get("system"), dict) else {}
+    system = data["system"] if isinstance(data.get("system"), dict) else {}
     driver = text_or_none(system.get(key["driver"]))
     gpus, problems = [], []
     for card_key, card in data.items():
@@ -217,11 +220,11 @@ def parse_rocm_smi(text: str) -> ParseResult:
 PARSERS = {"amd-smi": parse_amd_smi, "rocm-smi": parse_rocm_smi}
 
 
-def xid_events(kernel_log: str) -> dict:
+def xid_events(kernel_log: str) -> dict[tuple[int, int, int], list[tuple[int, str]]]:
     return {}
 
 
-def judge_xids(codes: list) -> tuple:
+def judge_xids(codes: list[int]) -> tuple[str, str]:
     return "OK", "no kernel-log rules for AMD (RAS errors are judged from ECC counts)"
 
 
@@ -229,11 +232,14 @@ def judge_xids(codes: list) -> tuple:
 PCI_VENDOR_ID = "1002"  # lspci -n (gpu_detect)
 KERNEL_MODULE = "amdgpu"  # /sys/module/<name> exists while the driver is loaded
 # Device nodes of the loaded driver: a control node and one node per GPU (a glob in `dir`).
-DEVICE_FILES = {"control": "/dev/kfd", "dir": "/dev/dri", "per_gpu": "renderD*"}
+DEVICE_FILES: DeviceFiles = {"control": "/dev/kfd", "dir": "/dev/dri", "per_gpu": "renderD*"}
+# gres.conf File= (slurm role): render nodes start at 128, GPU n of the tool is renderD(128 + n).
+GRES_FILES: GresFiles = {"prefix": "/dev/dri/renderD", "first": 128}
 TOOLKIT_HOME = "/opt/rocm"
 # rccl-tests at a pinned tag; built with `make` and these arguments ({toolkit}: TOOLKIT_HOME).
 BANDWIDTH_TEST_SOURCE = ("https://github.com/ROCm/rccl-tests.git", "rocm-6.2.4")
 BANDWIDTH_TEST_MAKE_ARGS = ("HIP_HOME={toolkit}", "NCCL_HOME={toolkit}")
+NET_PLUGIN = "aws-ofi-rccl"  # RCCL over libfabric (Slingshot, EFA): comm_net_plugin
 # The exporter of EXPORTER_JOB (gpu_exporter): its packages and services.
 EXPORTER_PACKAGES = ("amdgpu-exporter",)
 EXPORTER_SERVICES = ("amd-metrics-exporter",)
@@ -256,7 +262,7 @@ def _watts(node: Any) -> float | None:
     return number(node)
 
 
-def parse_power_limits(text: str) -> list[dict]:
+def parse_power_limits(text: str) -> list[dict[str, Any]]:
     """Each GPU's {index, min, max, current, default} cap in W from `amd-smi static --limit --json`
     (a list, ROCm 6.1/6.2, or {"gpu_data": [...]}, 6.3+). Instinct parts ship capped at their
     maximum: that is the default to revert to."""
@@ -278,3 +284,52 @@ def parse_power_limits(text: str) -> list[dict]:
             }
         )
     return gpus
+
+
+# The GPUs' model for gres.conf Type= (clusterspec/binding.py): {"card0": {"Card series": ..}}.
+NAME_QUERY = ("rocm-smi", "--showproductname", "--json")
+BRAND_WORDS = frozenset({"AMD", "INSTINCT", "RADEON"})
+
+
+def parse_names(text: str) -> list[str]:
+    return [gpu.name or "" for gpu in parse_rocm_smi(text).gpus]
+
+
+DESCRIPTION = Vendor(
+    NAME=NAME,
+    TORCH_DEVICE=TORCH_DEVICE,
+    DIST_BACKEND=DIST_BACKEND,
+    TOOLS=TOOLS,
+    PARSERS=PARSERS,
+    COUNTERS=COUNTERS,
+    COUNTER_PARSERS=COUNTER_PARSERS,
+    KERNEL_LOG=KERNEL_LOG,
+    XID_CRITICAL=XID_CRITICAL,
+    XID_WARNING=XID_WARNING,
+    xid_events=xid_events,
+    judge_xids=judge_xids,
+    PEAK_BF16_FLOPS=PEAK_BF16_FLOPS,
+    BUSBW_FLOORS_GBPS=BUSBW_FLOORS_GBPS,
+    BANDWIDTH_TEST=BANDWIDTH_TEST,
+    TOPOLOGY=TOPOLOGY,
+    NAME_QUERY=NAME_QUERY,
+    parse_names=parse_names,
+    BRAND_WORDS=BRAND_WORDS,
+    EXPORTER_JOB=EXPORTER_JOB,
+    PCI_VENDOR_ID=PCI_VENDOR_ID,
+    KERNEL_MODULE=KERNEL_MODULE,
+    DEVICE_FILES=DEVICE_FILES,
+    GRES_FILES=GRES_FILES,
+    TOOLKIT_HOME=TOOLKIT_HOME,
+    BANDWIDTH_TEST_SOURCE=BANDWIDTH_TEST_SOURCE,
+    BANDWIDTH_TEST_MAKE_ARGS=BANDWIDTH_TEST_MAKE_ARGS,
+    NET_PLUGIN=NET_PLUGIN,
+    EXPORTER_PACKAGES=EXPORTER_PACKAGES,
+    EXPORTER_SERVICES=EXPORTER_SERVICES,
+    TORCH_INDEX_URL=TORCH_INDEX_URL,
+    POWER_QUERY=POWER_QUERY,
+    POWER_PERSISTENCE=POWER_PERSISTENCE,
+    POWER_SET=POWER_SET,
+    POWER_AFTER=POWER_AFTER,
+    parse_power_limits=parse_power_limits,
+)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 
+from clusterspec.vendors.description import TopologyTool
 from clusterspec.vendors.readings import ToolError
 from clusterspec.vendors.topology import Topology
 
@@ -29,7 +30,7 @@ COMMAND = ("rocm-smi", "--showtopo")
 GPU_LINKS = {"MI250X": "XGMI3", "MI300X": "XGMI", "MI325X": "XGMI"}
 
 
-def _matrix(text: str, title: str) -> dict:
+def _matrix(text: str, title: str) -> dict[tuple[str, str], str]:
     """{(row, column): cell} of one "<title> between two GPUs" block."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if title in line), None)
@@ -68,7 +69,7 @@ def parse(text: str) -> Topology:
     )
 
 
-def numa_affinity(text: str) -> dict:
+def numa_affinity(text: str) -> dict[str, str]:
     """GPU -> the NUMA node of the CPUs nearest it, from the "Numa Nodes" block that both
     `rocm-smi --showtopo` and `--showtoponuma` print: "Numa Affinity" (the node the kernel gives
     the GPU's CPUs), else "Numa Node". rocm-smi prints an unsigned value: 4294967295 (-1) on a
@@ -79,3 +80,13 @@ def numa_affinity(text: str) -> dict:
             if int(node) < 2**31:
                 out[gpu] = node
     return out
+
+
+def _locality(text: str) -> Topology:
+    """The GPUs and their NUMA node (numa_affinity): all CPU binding needs; rocm-smi prints no
+    CPU affinity."""
+    numa = numa_affinity(text)
+    return Topology(gpus=sorted(numa, key=int), links={}, numa=numa)
+
+
+TOOL = TopologyTool(COMMAND=COMMAND, GPU_LINKS=GPU_LINKS, parse=parse, locality=_locality)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import csv
 import re
+from typing import Any
 
 from clusterspec.vendors import nvidia_topology
+from clusterspec.vendors.description import DeviceFiles, GresFiles, Vendor
 from clusterspec.vendors.readings import (
     MIB,
     GpuReading,
@@ -30,7 +32,7 @@ DIST_BACKEND = "nccl"
 # The vendor's own exporter (gpu_exporter role): Prometheus job name and port (file_sd).
 EXPORTER_JOB = ("dcgm", 9400)
 # GPU topology: its command, parser and expected GPU-to-GPU link per SKU (nvidia_topology.py).
-TOPOLOGY = nvidia_topology
+TOPOLOGY = nvidia_topology.TOOL
 BANDWIDTH_TEST = "all_reduce_perf"  # nccl-tests
 
 # nvidia-smi --query-gpu fields, in groups: one unknown field fails a whole query ("Field ... is
@@ -68,7 +70,7 @@ GROUP_MARK = "# rlm-query "
 EXIT_MARK = "# rlm-exit "
 
 
-def _marked(commands: list) -> tuple:
+def _marked(commands: list[tuple[str, str]]) -> tuple[str, ...]:
     """One command (sh) that runs each (mark, command) and marks its output; it exits with the
     first command's status (the one that lists the GPUs)."""
     parts = []
@@ -98,9 +100,11 @@ COUNTERS = {"nvidia-smi": _marked([("query", "nvidia-smi -q"), ("nvlink", "nvidi
 KERNEL_LOG = ("dmesg",)
 
 # XIDs that mean the GPU (or its memory) needs draining, and ones worth a look (facts.md).
-XID_CRITICAL = {48, 62, 64, 74, 79, 92, 94, 95, *range(56, 59), *range(68, 74), *range(75, 78)}
-XID_CRITICAL |= {*range(80, 87), 88, 89, *range(96, 106), *range(110, 121), *range(122, 126)}
-XID_WARNING = {13, 31, 43, 45, 63, 109}
+XID_CRITICAL = frozenset(
+    {48, 62, 64, 74, 79, 92, 94, 95, *range(56, 59), *range(68, 74), *range(75, 78)}
+    | {*range(80, 87), 88, 89, *range(96, 106), *range(110, 121), *range(122, 126)}
+)
+XID_WARNING = frozenset({13, 31, 43, 45, 63, 109})
 # "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus."
 _XID_RE = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\): (\d+)")
 
@@ -115,11 +119,13 @@ PEAK_BF16_FLOPS = {
 BUSBW_FLOORS_GBPS = {"A100": 228.0, "H100": 460.0, "H200": 480.0}
 
 
-def _sections(text: str, fields: tuple) -> list:
+def _sections(
+    text: str, fields: tuple[str, ...]
+) -> list[tuple[tuple[str, ...], list[str], int | None]]:
     """(mark split at commas, lines, exit status or None) per marked part of the output."""
     if GROUP_MARK not in text:
         return [(fields, text.splitlines(), None)]  # one plain --query-gpu output
-    sections: list = []
+    sections: list[tuple[tuple[str, ...], list[str], int | None]] = []
     for line in text.splitlines():
         if line.startswith(GROUP_MARK):
             sections.append((tuple(line[len(GROUP_MARK) :].strip().split(",")), [], None))
@@ -132,11 +138,11 @@ def _sections(text: str, fields: tuple) -> list:
     return sections
 
 
-def parse_nvidia_smi(text: str, fields: tuple = FIELDS) -> ParseResult:
+def parse_nvidia_smi(text: str, fields: tuple[str, ...] = FIELDS) -> ParseResult:
     """Parse the grouped query (NVIDIA_SMI), or one `--query-gpu=<fields>
     --format=csv,noheader,nounits` output (`fields` says what was asked for)."""
-    rows: dict = {}
-    problems: list = []
+    rows: dict[int, dict[str, str]] = {}
+    problems: list[str] = []
     for group, lines, status in _sections(text, fields):
         unreadable, readable = [], 0
         for row in csv.reader(line for line in lines if line.strip()):
@@ -161,7 +167,7 @@ def parse_nvidia_smi(text: str, fields: tuple = FIELDS) -> ParseResult:
     return ParseResult(gpus, list(dict.fromkeys(problems)))
 
 
-def _clock_events(values: dict) -> dict:
+def _clock_events(values: dict[str, str]) -> dict[str, float]:
     events = {}
     for field, reason in CLOCK_EVENT_FIELDS.items():
         alias = field.replace("clocks_event_reasons.", "clocks_throttle_reasons.")
@@ -171,7 +177,7 @@ def _clock_events(values: dict) -> dict:
     return events
 
 
-def _reading(values: dict) -> GpuReading:
+def _reading(values: dict[str, str]) -> GpuReading:
     bus = re.fullmatch(
         r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.\d", values.get("pci.bus_id", "")
     )
@@ -209,9 +215,11 @@ _NVLINK_GPU_RE = re.compile(r"^GPU \d+: .*\(UUID: ([^)]+)\)")
 _NVLINK_COUNTER_RE = re.compile(r"^\s+Link (\d+): ([A-Za-z][A-Za-z -]*?): (\S+)\s*$")
 
 
-def parse_pcie_replays(text: str) -> tuple:
+def parse_pcie_replays(text: str) -> tuple[dict[tuple[int, int, int], float], list[str]]:
     """({(domain, bus, device): replays}, problems) from `nvidia-smi -q`."""
-    replays, problems, bus = {}, [], None
+    replays: dict[tuple[int, int, int], float] = {}
+    problems: list[str] = []
+    bus = None
     for line in text.splitlines():
         header = _Q_GPU_RE.match(line)
         if header:
@@ -227,10 +235,12 @@ def parse_pcie_replays(text: str) -> tuple:
     return replays, problems
 
 
-def parse_nvlink_errors(text: str) -> tuple:
+def parse_nvlink_errors(
+    text: str,
+) -> tuple[dict[str, dict[tuple[str, str], float]], list[str]]:
     """({uuid: {(link, counter): value}}, problems) from `nvidia-smi nvlink -e`."""
-    errors: dict = {}
-    problems: list = []
+    errors: dict[str, dict[tuple[str, str], float]] = {}
+    problems: list[str] = []
     uuid = None
     for line in text.splitlines():
         header = _NVLINK_GPU_RE.match(line)
@@ -297,11 +307,14 @@ def judge_xids(codes: list[int]) -> tuple[str, str]:
 PCI_VENDOR_ID = "10de"  # lspci -n (gpu_detect)
 KERNEL_MODULE = "nvidia"  # /sys/module/<name> exists while the driver is loaded
 # Device nodes of the loaded driver: a control node and one node per GPU (a glob in `dir`).
-DEVICE_FILES = {"control": "/dev/nvidiactl", "dir": "/dev", "per_gpu": "nvidia[0-9]*"}
+DEVICE_FILES: DeviceFiles = {"control": "/dev/nvidiactl", "dir": "/dev", "per_gpu": "nvidia[0-9]*"}
+# gres.conf File= (slurm role): /dev/nvidia0.. for GPU 0.. of nvidia-smi.
+GRES_FILES: GresFiles = {"prefix": "/dev/nvidia", "first": 0}
 TOOLKIT_HOME = "/usr/local/cuda"
 # nccl-tests at a pinned tag; built with `make` and these arguments ({toolkit}: TOOLKIT_HOME).
 BANDWIDTH_TEST_SOURCE = ("https://github.com/NVIDIA/nccl-tests.git", "v2.13.11")
 BANDWIDTH_TEST_MAKE_ARGS = ("CUDA_HOME={toolkit}", "NCCL_HOME=/usr")
+NET_PLUGIN = "aws-ofi-nccl"  # NCCL over libfabric (EFA): comm_net_plugin
 # The exporter of EXPORTER_JOB (gpu_exporter): its packages and services.
 EXPORTER_PACKAGES = ("datacenter-gpu-manager", "dcgm-exporter")
 EXPORTER_SERVICES = ("nvidia-dcgm", "dcgm-exporter")
@@ -320,14 +333,63 @@ POWER_SET = ("nvidia-smi", "-i", "{gpu}", "-pl", "{watts}")
 POWER_AFTER = "nvidia-persistenced.service"
 
 
-def parse_power_limits(text: str) -> list[dict]:
+def parse_power_limits(text: str) -> list[dict[str, Any]]:
     """Each GPU's {index, min, max, current, default} cap in W and persistence from POWER_QUERY."""
-    gpus = []
+    gpus: list[dict[str, Any]] = []
     for row in csv.reader(line for line in text.splitlines() if line.strip()):
         cells = [cell.strip() for cell in row]
         if len(cells) != 6 or not cells[0].isdigit():
             raise ValueError("unreadable nvidia-smi power line: " + ",".join(cells)[:120])
         watts = [number(cell) for cell in cells[1:5]]
-        row = dict(zip(("min", "max", "current", "default"), watts))
-        gpus.append(dict(row, index=int(cells[0]), persistence=cells[5]))
+        limits: dict[str, Any] = dict(zip(("min", "max", "current", "default"), watts))
+        gpus.append({**limits, "index": int(cells[0]), "persistence": cells[5]})
     return gpus
+
+
+# The GPUs' model for gres.conf Type= (clusterspec/binding.py): one name per line.
+NAME_QUERY = ("nvidia-smi", "--query-gpu=name", "--format=csv,noheader")
+BRAND_WORDS = frozenset({"NVIDIA", "TESLA"})
+
+
+def parse_names(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+DESCRIPTION = Vendor(
+    NAME=NAME,
+    TORCH_DEVICE=TORCH_DEVICE,
+    DIST_BACKEND=DIST_BACKEND,
+    TOOLS=TOOLS,
+    PARSERS=PARSERS,
+    COUNTERS=COUNTERS,
+    COUNTER_PARSERS=COUNTER_PARSERS,
+    KERNEL_LOG=KERNEL_LOG,
+    XID_CRITICAL=XID_CRITICAL,
+    XID_WARNING=XID_WARNING,
+    xid_events=xid_events,
+    judge_xids=judge_xids,
+    PEAK_BF16_FLOPS=PEAK_BF16_FLOPS,
+    BUSBW_FLOORS_GBPS=BUSBW_FLOORS_GBPS,
+    BANDWIDTH_TEST=BANDWIDTH_TEST,
+    TOPOLOGY=TOPOLOGY,
+    NAME_QUERY=NAME_QUERY,
+    parse_names=parse_names,
+    BRAND_WORDS=BRAND_WORDS,
+    EXPORTER_JOB=EXPORTER_JOB,
+    PCI_VENDOR_ID=PCI_VENDOR_ID,
+    KERNEL_MODULE=KERNEL_MODULE,
+    DEVICE_FILES=DEVICE_FILES,
+    GRES_FILES=GRES_FILES,
+    TOOLKIT_HOME=TOOLKIT_HOME,
+    BANDWIDTH_TEST_SOURCE=BANDWIDTH_TEST_SOURCE,
+    BANDWIDTH_TEST_MAKE_ARGS=BANDWIDTH_TEST_MAKE_ARGS,
+    NET_PLUGIN=NET_PLUGIN,
+    EXPORTER_PACKAGES=EXPORTER_PACKAGES,
+    EXPORTER_SERVICES=EXPORTER_SERVICES,
+    TORCH_INDEX_URL=TORCH_INDEX_URL,
+    POWER_QUERY=POWER_QUERY,
+    POWER_PERSISTENCE=POWER_PERSISTENCE,
+    POWER_SET=POWER_SET,
+    POWER_AFTER=POWER_AFTER,
+    parse_power_limits=parse_power_limits,
+)

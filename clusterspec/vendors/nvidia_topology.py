@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from clusterspec.vendors.description import TopologyTool
 from clusterspec.vendors.readings import ToolError
 from clusterspec.vendors.topology import ANY, Topology
 
@@ -50,10 +51,10 @@ def parse(text: str) -> Topology:
     # are all outside it is printed empty: its row is one cell short.
     trailing = _trailing_columns(lines[header_at][lines[header_at].index(columns[-1]) :])
     gpus = [c[3:] for c in columns if c.startswith("GPU")]
-    links: dict = {}
-    nic_paths: dict = {}
-    numa: dict = {}
-    cpu_affinity: dict = {}
+    links: dict[tuple[str, str], str] = {}
+    nic_paths: dict[str, dict[str, str]] = {}
+    numa: dict[str, str] = {}
+    cpu_affinity: dict[str, str] = {}
     for line in lines[header_at + 1 :]:
         words = line.split()
         if not words or not re.fullmatch(r"GPU\d+", words[0]):
@@ -85,7 +86,7 @@ def parse(text: str) -> Topology:
     )
 
 
-def _trailing_columns(header_tail: str) -> list:
+def _trailing_columns(header_tail: str) -> list[str]:
     """The kinds of the columns after the device columns, in order: "cpu", "numa", "gpu_numa"."""
     out = []
     for name, kind in (("CPU Affinity", "cpu"), ("NUMA", "numa"), ("GPU NUMA ID", "gpu_numa")):
@@ -98,3 +99,6 @@ def _trailing_columns(header_tail: str) -> list:
 def _rank(cell: str) -> int:
     bond = re.fullmatch(r"NV(\d+)", cell)
     return 100 + int(bond.group(1)) if bond else -len(cell)
+
+
+TOOL = TopologyTool(COMMAND=COMMAND, GPU_LINKS=GPU_LINKS, parse=parse, locality=parse)

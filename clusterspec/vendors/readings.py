@@ -6,8 +6,11 @@ inside its command line, and the exporter imports it as it is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 MIB = 1024 * 1024
 # How the tools say "no value": the field's series is then not exported and not judged.
@@ -45,9 +48,9 @@ class GpuReading:
     row_remap_pending: float | None = None  # 1 while a remapped row waits for a GPU reset
     row_remap_failed: float | None = None  # 1 once a row remap has failed: the GPU is done
     pcie_replays_total: float | None = None
-    clock_events: dict = field(default_factory=dict)  # reason -> 1 active / 0 not
+    clock_events: dict[str, float] = field(default_factory=dict)  # reason -> 1 active / 0 not
     # (link, counter) -> errors since the driver loaded: NVLink per link, XGMI
-    interconnect_errors: dict = field(default_factory=dict)
+    interconnect_errors: dict[tuple[str, str], float] = field(default_factory=dict)
     name: str | None = None  # product name (the SKU the peak/floor tables are keyed by)
     driver: str | None = None
     uuid: str | None = None  # stable identity: the index can change after a GPU falls off
@@ -66,9 +69,11 @@ class LinkCounters:
     """Link error counters read on their own, less often (vendor COUNTERS): PCIe replays per GPU
     PCI address, interconnect errors per GPU UUID and (link, counter)."""
 
-    pcie_replays: dict = field(default_factory=dict)  # (domain, bus, device) -> replays
-    interconnect_errors: dict = field(default_factory=dict)  # uuid -> {(link, counter): errors}
-    problems: list = field(default_factory=list)
+    # (domain, bus, device) -> replays
+    pcie_replays: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    # uuid -> {(link, counter): errors}
+    interconnect_errors: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
 
 
 def number(text: Any) -> float | None:
@@ -110,7 +115,7 @@ def text_or_none(value: Any) -> str | None:
     return value.strip()
 
 
-def by_sku(table: dict, device_name: str) -> tuple[float | None, str | None]:
+def by_sku(table: Mapping[str, T], device_name: str) -> tuple[T | None, str | None]:
     """(value, key) of the longest key of `table` contained in `device_name` (case-insensitive)."""
     upper = (device_name or "").upper()
     matches = [key for key in table if key.upper() in upper]

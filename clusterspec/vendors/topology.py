@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 # nvidia-smi's PCIe path classes, nearest first; SYS crosses the SMP interconnect (QPI/UPI/xGMI
 # between sockets), i.e. the device is on the far socket.
@@ -37,7 +38,7 @@ class Topology:
     cpu_affinity: dict[str, str] = field(default_factory=dict)
     weights: dict[tuple[str, str], int] = field(default_factory=dict)  # (a, b): rocm-smi weight
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "gpus": self.gpus,
             "links": {f"{a}-{b}": link for (a, b), link in sorted(self.links.items())},
@@ -58,7 +59,7 @@ def link_meets(seen: str, expected: str) -> bool:
     wanted = re.fullmatch(r"NV(\d*)", expected.upper())
     if wanted:
         bond = re.fullmatch(r"NV(\d+)", seen.upper())
-        return bool(bond) and int(bond.group(1)) >= int(wanted.group(1) or 1)
+        return bond is not None and int(bond.group(1)) >= int(wanted.group(1) or 1)
     return seen.upper() == expected.upper()
 
 
@@ -161,7 +162,8 @@ def judge(topology: Topology, expected: str | None, sku: str | None) -> tuple[st
 
 
 def _order(pair: tuple[str, str]) -> tuple[int, int]:
-    return tuple(int(x) if x.isdigit() else 0 for x in pair)  # type: ignore[return-value]
+    a, b = (int(x) if x.isdigit() else 0 for x in pair)
+    return a, b
 
 
 def _path_rank(path: str) -> int:

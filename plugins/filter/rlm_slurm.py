@@ -23,7 +23,7 @@ def rlm_binding_commands(vendor: str) -> dict:
     out = {"lscpu": list(binding.LSCPU)}
     if vendor in VENDORS:
         out["topology"] = list(VENDORS[vendor].TOPOLOGY.COMMAND)
-        out["names"] = list(binding.GPU_NAME_QUERY[vendor])
+        out["names"] = list(VENDORS[vendor].NAME_QUERY)
     return out
 
 
@@ -47,7 +47,10 @@ def rlm_slurm_topology(switches: list, groups: dict, nodes: list) -> list[str]:
     """topology.conf lines: a leaf switch per {name, group} (the inventory group's hosts that
     are compute nodes), a switch over others per {name, switches}. Slurm places a job only on
     nodes under one switch, so every node must be under a leaf and every switch under one root."""
-    lines, leaves, parents, names = [], set(), {}, []
+    lines: list[str] = []
+    leaves: set[str] = set()
+    parents: dict[str, str] = {}
+    names: list[str] = []
     for switch in switches:
         name = str(switch.get("name", ""))
         if not name or ("group" in switch) == ("switches" in switch):

@@ -31,6 +31,11 @@ BAD_HOSTS = {
         {"rlm_gpu_vendor": "amd", "rlm_kernel": "6.11.0-9-generic"},
         "unsupported ROCm/kernel pair: ROCm 6.2.4 on Ubuntu-noble with kernel 6.11.0-9-generic",
     ),
+    # The plugin of the vendor description's NET_PLUGIN, not the other vendor's.
+    "bad_net_plugin": (
+        {"rlm_gpu_vendor": "amd", "comm_net_plugin": "aws-ofi-nccl"},
+        "comm_net_plugin=aws-ofi-nccl does not fit vendor amd: use aws-ofi-rccl (the vendor",
+    ),
     "bad_lustre": (
         {"rlm_gpu_vendor": "nvidia", "rlm_shared_fs": "lustre", "rlm_lustre_mgs_nids": []},
         "missing Lustre MGS NID: set rlm_lustre_mgs_nids",

@@ -100,10 +100,15 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                             "vars": {"rlm_gpu_vendor": "amd"},
                         },
                         "cpu": {"hosts": {"cpu1": {"stand_ins": str(work)}}},
+                        # A vendor no description names: refused, never a node without GPUs.
+                        "odd": {
+                            "hosts": {"odd1": {"stand_ins": str(work)}},
+                            "vars": {"rlm_gpu_vendor": "intel"},
+                        },
                     }
                 },
                 "rack1": {"hosts": {"gpu1": None, "gpu2": None}},
-                "rack2": {"hosts": {"mi1": None, "cpu1": None}},
+                "rack2": {"hosts": {"mi1": None, "cpu1": None, "odd1": None}},
             },
             "vars": {
                 **local,
@@ -122,8 +127,9 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
     (work / "play.yml").write_text(PLAYBOOK)
     run = run_playbook(work / "play.yml", write_inventory(work / "inv.yml", inventory), work)
-    assert run.rc == 0, [run.failures(h) for h in ("ctl", "gpu1", "gpu2", "mi1", "cpu1")]
-    return {r["item"]: r["msg"] for r in run.task("ctl", "Render the files").result["results"]}
+    assert [run.failures(h) for h in ("ctl", "gpu1", "gpu2", "mi1", "cpu1")] == [[]] * 5
+    files = {r["item"]: r["msg"] for r in run.task("ctl", "Render the files").result["results"]}
+    return {**files, "odd1": "\n".join(run.failures("odd1"))}
 
 
 def lines_of(text: str, prefix: str) -> list[str]:
@@ -138,6 +144,13 @@ def test_gres_conf_names_type_and_the_cores_near_each_gpu(rendered: dict[str, st
         "NodeName=mi1 Name=gpu Type=mi250x File=/dev/dri/renderD[128-131] Cores=0-63",
         "NodeName=mi1 Name=gpu Type=mi250x File=/dev/dri/renderD[132-135] Cores=64-127",
     ]
+
+
+def test_a_vendor_without_a_description_fails_in_one_line(rendered: dict[str, str]) -> None:
+    """Not a node silently without GPUs: the GRES device files come from the descriptions."""
+    assert rendered["odd1"].count("\n") == 0
+    assert "GPU vendor intel is not one of" in rendered["odd1"]
+    assert "NodeName=odd1" not in rendered["gres.conf"]
 
 
 def test_slurm_conf_node_lines_come_from_each_nodes_own_cpus(rendered: dict[str, str]) -> None:
@@ -169,7 +182,7 @@ def test_slurm_conf_site_settings(rendered: dict[str, str]) -> None:
 def test_topology_conf_from_the_inventorys_switch_groups(rendered: dict[str, str]) -> None:
     assert lines_of(rendered["topology.conf"], "SwitchName=") == [
         "SwitchName=leaf1 Nodes=gpu1,gpu2",
-        "SwitchName=leaf2 Nodes=mi1,cpu1",
+        "SwitchName=leaf2 Nodes=mi1,cpu1,odd1",
         "SwitchName=spine Switches=leaf1,leaf2",
     ]
 
