@@ -173,7 +173,8 @@ def tflops_per_gpu(data: RunData, t: dict[str, Any]) -> Criterion:
     start = data.start()
     if start.get("device") == "cpu" and t["tflops_per_gpu"] is None:
         return Criterion(name, "-", "-", NA, source, "CPU run: no GPU datasheet peak to judge by")
-    threshold, why = t["tflops_per_gpu"], "rlm_accept_thresholds"
+    threshold = t["tflops_per_gpu"]
+    why: str | None = "rlm_accept_thresholds"
     if threshold is None:
         threshold, why = vendors.golive_tflops(str(start.get("peak_source", "")))
     if threshold is None:
@@ -474,8 +475,8 @@ def _api(api: str | PrometheusAPI, path: str, params: dict[str, str], timeout: f
             ) from None
         raise PrometheusError(f"{url} does not answer ({reason})") from None
     if not isinstance(body, dict) or body.get("status") != "success":
-        error = body.get("error", body) if isinstance(body, dict) else body
-        raise PrometheusError(f"{url}: query failed: {error}")
+        failure = body.get("error", body) if isinstance(body, dict) else body
+        raise PrometheusError(f"{url}: query failed: {failure}")
     return body["data"]
 
 

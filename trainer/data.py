@@ -611,6 +611,7 @@ def check_dataset(path: str | Path) -> dict[str, Any]:
     metadata = read_json(path / METADATA_NAME)
     if not isinstance(metadata, dict) or not isinstance(metadata.get("splits"), dict):
         TokenDataset(path)  # raises the error that names what is missing
+        raise DataError(f"{path / METADATA_NAME} lists no splits; prepare the dataset again")
     splits, checked = {}, 0
     for split in metadata["splits"]:
         dataset = TokenDataset(path, split, allow_empty=True)

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from trainer.hashed_write import HashingWriter, without_zip_crc32
 
@@ -213,6 +214,8 @@ class ShardWrite:
         response = dcp.async_save(
             tensors, storage_writer=writer, process_group=group, async_stager=stager
         )
+        if not isinstance(response, AsyncSaveResponse):  # a stager that staged synchronously
+            raise TypeError(f"{type(stager).__name__} must stage in the background")
         self.staged = Staged(response.staging_completion)
         self._future = response.upload_completion
 
