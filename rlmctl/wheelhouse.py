@@ -194,7 +194,7 @@ def clean_pip_env() -> dict[str, str]:
     return env | {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
-def verify(directory: Path, python_exe: str, bundle_name: str, bundle_only: bool) -> dict:
+def verify(directory: Path, python_exe: str, bundle_name: str, bundle_only: bool) -> dict[str, Any]:
     """Install the wheelhouse offline into a clean venv of `python_exe`; import torch and the
     trainer there. Returns what the venv reports."""
     with tempfile.TemporaryDirectory(prefix="rlm-wheelhouse-verify-") as tmp:

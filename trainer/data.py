@@ -414,7 +414,7 @@ class ShardRange:
     stop: int  # one past the last
 
 
-class TokenDataset(torch.utils.data.Dataset):
+class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
     """One split of a prepared dataset; `ds[i]` is a LongTensor of seq_len+1 token ids.
 
     Uncompressed shards are memory-mapped. zstd shards are read one frame at a time (`pread` of

@@ -116,7 +116,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return total / count
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         grad_x, grad_w = ctx.saved_tensors  # type: ignore[attr-defined]
         return grad_x * grad_loss.to(grad_x.dtype), grad_w * grad_loss, None, None
 

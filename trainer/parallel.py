@@ -244,7 +244,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state dicts of a sharded model, unsharded in rank 0's host memory (the
     only rank that writes; the others get empty dicts), in the layout `state_dict()` of the
     unsharded model and optimizer has. A collective."""
@@ -265,7 +267,10 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 
 def load_full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any],
 ) -> None:
     """Shard full (unsharded) state dicts into a sharded model and its optimizer, locally and
     tensor by tensor: every rank has the full tensors (memory-mapped from the checkpoint,

@@ -101,7 +101,7 @@ class _HashingFileSystem(FileSystem):
         self.write_errors: list[tuple[Path, BaseException]] = []  # from any writer thread
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
         if "w" in mode:
             with self._write_stream(Path(path), mode) as stream:
                 yield stream
@@ -148,7 +148,7 @@ class _HashingFileSystem(FileSystem):
         else:
             self.digests[path.name] = writer.hexdigest()
 
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         # DCP writes .metadata.tmp and renames it to .metadata.
         super().rename(path, new_path)
         digest = self.digests.pop(Path(path).name, None)
