@@ -26,6 +26,7 @@ average before and after.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -33,6 +34,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,10 +167,10 @@ def sync_rounds(state: dict[str, Any], base: Path, repeats: int) -> tuple[float,
     ratios: dict[str, list[float]] = {"full": [], "sharded": []}
     for step in range(1, repeats + 1):
         times = {}
-        runs = [
+        runs: list[tuple[str, Callable[[], float]]] = [
             ("raw", lambda: raw_write(state, base / "raw.bin")),
-            ("full", lambda step=step: full.save(step, state)),
-            ("sharded", lambda step=step: sharded.save(step, shard_state)),
+            ("full", functools.partial(full.save, step, state)),
+            ("sharded", functools.partial(sharded.save, step, shard_state)),
         ]
         for name, run in runs[step % 3 :] + runs[: step % 3]:  # each goes first in some rounds
             times[name] = run()

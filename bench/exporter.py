@@ -42,7 +42,7 @@ from tests.monitoring.test_e2e_rig import (  # noqa: E402
     render_alertmanager,
     render_rules,
 )
-from trainer.rundir import RunDir, write_manifest  # noqa: E402
+from trainer.rundir import EventKind, RunDir, RunState, write_manifest  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "monitoring" / "fixtures"
 STANDIN = ROOT / "tests" / "monitoring" / "nvidia_smi_standin.py"
@@ -74,14 +74,14 @@ def make_runs(root: Path, count: int = 3) -> None:
     for index in range(count):
         run = RunDir(root / f"run-{index}").create()
         for _ in range(2):
-            run.append_event("start")
+            run.append_event(EventKind.START)
         for step in (1000, 2000, 3000):
             path = run.checkpoint_path(step)
             path.mkdir()
             for shard in range(8):
                 (path / f"model-{shard}.safetensors").write_bytes(b"x" * 4096)
             write_manifest(path, step)
-        run.write_status(state="running", step=3100, checkpoint_interval_steps=1000)
+        run.write_status(state=RunState.RUNNING, step=3100, checkpoint_interval_steps=1000)
 
 
 def scrape(url: str) -> bytes:

@@ -95,7 +95,7 @@ class GpuRun:
     rehearsed_by: str | None = None  # a run whose rehearsal covers this one's code path
 
 
-ONE_B = ("model.preset=1b", "train.precision=bf16", "parallel.strategy=fsdp")
+ONE_B: tuple[str, ...] = ("model.preset=1b", "train.precision=bf16", "parallel.strategy=fsdp")
 ONE_B += ("model.compile=true", "model.activation_checkpointing=false")
 ONE_B += ("checkpoint.format=sharded", "checkpoint.async_save=true")
 RUNS = (
@@ -268,7 +268,7 @@ def train(
             command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"")[-3000:]
+        tail: str | bytes = (exc.stderr or b"")[-3000:]
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
         return {"status": "timeout", "seconds": timeout, "stderr_tail": tail}
     seconds = time.monotonic() - started
@@ -290,7 +290,8 @@ def record_fixtures(out: Path, machine: Machine) -> dict[str, str]:
     what could not be recorded, and why."""
     fixtures = out / "fixtures"
     fixtures.mkdir(parents=True, exist_ok=True)
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    # datetime.UTC would need Python 3.11; the project supports 3.10.
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     where = f"{socket.gethostname()} ({machine.device}, {machine.gpus} GPU(s))"
     done: dict[str, str] = {}
     for name, command in (

@@ -62,6 +62,9 @@ from trainer.optim import build_optimizer
 class PlainLM(nn.Module):
     """A standard transformer built from the same blocks: embedding, L blocks, norm, tied head."""
 
+    rope_cos: torch.Tensor  # buffers (register_buffer)
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, n_layers: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -101,7 +104,7 @@ def matching_plain_depth(cfg: ModelConfig, num_steps: int, seq_len: int) -> int:
 
 
 def make_step(
-    model: nn.Module, loss_fn: Callable[[], torch.Tensor], dtype: torch.dtype
+    model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], dtype: torch.dtype
 ) -> Callable[[], tuple[float, float]]:
     """A closure running one training step and returning its (wall, CPU) seconds; the optimizer
     is the trainer's (AdamW, fused kernel)."""
@@ -115,7 +118,7 @@ def make_step(
         )
         wall, cpu = time.perf_counter(), time.process_time()
         with autocast:
-            loss = loss_fn()
+            loss = loss_fn(model)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -149,7 +152,7 @@ def reference(steps: int, compile_blocks: bool) -> None:
     for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16 autocast")):
         torch.manual_seed(0)
         model = RecurrentLM(cfg)
-        step = make_step(model, lambda m=model: m(inputs, labels, state_seeds=seeds).loss, dtype)
+        step = make_step(model, lambda m: m(inputs, labels, state_seeds=seeds).loss, dtype)
         started = time.perf_counter()
         step()  # warm-up (and compilation)
         warm_up = time.perf_counter() - started
@@ -209,7 +212,7 @@ def reference_interleaved(rounds: int, baseline: str | None) -> None:
             torch.manual_seed(0)
             model = build(cfg)
             steps[name] = make_step(
-                model, lambda m=model: m(inputs, labels, state_seeds=seeds).loss, dtype
+                model, lambda m: m(inputs, labels, state_seeds=seeds).loss, dtype
             )
             steps[name]()  # warm-up
             steps[name]()
@@ -302,10 +305,10 @@ def main() -> None:
         steps = {
             "recurrent": make_step(
                 recurrent,
-                lambda m=recurrent: m(inputs, labels, num_steps=r, state_seeds=seeds).loss,
+                lambda m: m(inputs, labels, num_steps=r, state_seeds=seeds).loss,
                 dtype,
             ),
-            plain_name: make_step(plain, lambda m=plain: m(inputs, labels), dtype),
+            plain_name: make_step(plain, lambda m: m(inputs, labels), dtype),
         }
         flops = {"recurrent": recurrent_flops, plain_name: plain_flops}
         for step in steps.values():  # warm-up: allocator, oneDNN kernel selection

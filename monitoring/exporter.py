@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import psutil
 from prometheus_client import CollectorRegistry, start_http_server
@@ -560,7 +560,7 @@ class RlmCollector(Collector):
         )
         seen.add_metric([], len(listed))
         yield seen
-        probe: GpuProbe = self.gpu_state.probe
+        probe = cast(GpuProbe, self.gpu_state.probe)  # main() builds gpu_state on a GpuProbe
         listed_keys = {probe.key(r) for r in listed}
         present = GaugeMetricFamily(
             "rlm_gpu_present",
@@ -631,7 +631,7 @@ class RlmCollector(Collector):
         _, counts = self.kernel_log.snapshot()
         if counts is None:
             return
-        by_bus = self.gpu_state.probe.by_bus()
+        by_bus = cast(GpuProbe, self.gpu_state.probe).by_bus()
         xid = CounterMetricFamily(
             "rlm_gpu_xid_errors",
             "NVIDIA XID events in the kernel log since boot, per GPU and XID code",
@@ -837,7 +837,7 @@ def build_collector(args: argparse.Namespace) -> RlmCollector:
     if source:
         gpu_state = Source(source, GpuProbe(source, timeout_s, errors), args.interval, errors)
         if source in gpu.KERNEL_LOGS:
-            probe = KernelLogProbe(source, timeout_s)
+            probe: Callable[[], Any] = KernelLogProbe(source, timeout_s)
             kernel_log = Source("dmesg", probe, args.interval, errors)
         if source in gpu.COUNTERS:
             # Counters for 15-minute windows: every COUNTERS_EVERY reads of the GPU tool.

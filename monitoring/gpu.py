@@ -86,7 +86,7 @@ def run_tool(command: tuple[str, ...], timeout_s: float, name: str | None = None
     )
 
 
-def kill_tree(process: subprocess.Popen) -> None:
+def kill_tree(process: subprocess.Popen[bytes]) -> None:
     """SIGKILL `process`, its process group and its descendants; reap it; close its pipes."""
     try:
         children = psutil.Process(process.pid).children(recursive=True)

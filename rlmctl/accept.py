@@ -173,7 +173,8 @@ def tflops_per_gpu(data: RunData, t: dict[str, Any]) -> Criterion:
     start = data.start()
     if start.get("device") == "cpu" and t["tflops_per_gpu"] is None:
         return Criterion(name, "-", "-", NA, source, "CPU run: no GPU datasheet peak to judge by")
-    threshold, why = t["tflops_per_gpu"], "rlm_accept_thresholds"
+    threshold = t["tflops_per_gpu"]
+    why: str | None = "rlm_accept_thresholds"
     if threshold is None:
         threshold, why = vendors.golive_tflops(str(start.get("peak_source", "")))
     if threshold is None:
@@ -442,7 +443,9 @@ def prometheus_api(host: Any) -> PrometheusAPI | None:
     )  # fmt: skip
 
 
-def _api(api: str | PrometheusAPI, path: str, params: dict[str, str], timeout: float) -> dict:
+def _api(
+    api: str | PrometheusAPI, path: str, params: dict[str, str], timeout: float
+) -> dict[str, Any]:
     """One GET of Prometheus' HTTP API; a PrometheusError names what went wrong."""
     api = api if isinstance(api, PrometheusAPI) else PrometheusAPI(api)
     url = api.url
@@ -474,14 +477,14 @@ def _api(api: str | PrometheusAPI, path: str, params: dict[str, str], timeout: f
             ) from None
         raise PrometheusError(f"{url} does not answer ({reason})") from None
     if not isinstance(body, dict) or body.get("status") != "success":
-        error = body.get("error", body) if isinstance(body, dict) else body
-        raise PrometheusError(f"{url}: query failed: {error}")
+        failure = body.get("error", body) if isinstance(body, dict) else body
+        raise PrometheusError(f"{url}: query failed: {failure}")
     return body["data"]
 
 
 def prom_query(
     url: str | PrometheusAPI, query: str, at: float | None = None, timeout: float = 5.0
-) -> list:
+) -> list[dict[str, Any]]:
     """The result vector of an instant query (HTTP API /api/v1/query)."""
     params = {"query": query} | ({"time": f"{at:.3f}"} if at else {})
     return _api(url, "/api/v1/query", params, timeout)["result"]
@@ -489,7 +492,7 @@ def prom_query(
 
 def prom_range(
     url: str | PrometheusAPI, query: str, start: float, end: float, timeout: float = 5.0
-) -> list:
+) -> list[tuple[float, float]]:
     """(seconds from start, value) points of the first series of a range query."""
     step = max(1.0, (end - start) / 200)
     params = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
@@ -522,7 +525,7 @@ def prometheus_plots(url: str | PrometheusAPI | None, start: float, end: float) 
     return out
 
 
-def _scalar(result: list) -> float | None:
+def _scalar(result: list[dict[str, Any]]) -> float | None:
     values = [float(r["value"][1]) for r in result]
     values = [v for v in values if math.isfinite(v)]
     return values[0] if len(values) == 1 else (min(values) if values else None)
@@ -530,7 +533,7 @@ def _scalar(result: list) -> float | None:
 
 def prometheus_criteria(
     url: str | PrometheusAPI | None, run: str, window_s: float, t: dict[str, Any], cpu: bool
-):
+) -> list[Criterion]:
     """GPU utilisation, network share of the link, trainer memory slope, scrape freshness."""
     source = f"Prometheus {url}" if url else "Prometheus"
     names = ("GPU utilisation", "network share of link", "host memory slope", "scrape freshness")
@@ -788,7 +791,7 @@ def run(
     prometheus_url: str | PrometheusAPI | None,
     overrides: Any,
     shared_dir: str,
-):
+) -> Verdict:
     """The verdict of run `name`, with its report written into the run directory."""
     from rlmctl.errors import RlmctlError
 

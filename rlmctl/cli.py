@@ -136,7 +136,7 @@ def inventory_cmd(ctx: typer.Context, json_output: JsonOpt = False) -> None:
         if json_output:
             groups = session.inventory.groups
             rows = [
-                h.as_dict() | {"ssh": routes[h.name].as_dict() if routes[h.name] else None}
+                h.as_dict() | {"ssh": route.as_dict() if (route := routes[h.name]) else None}
                 for h in hosts
             ]
             render.emit_json({"source": source, "groups": groups, "hosts": rows})

@@ -135,6 +135,7 @@ def _script() -> str:
     sources: dict[str, tuple[str, bool]] = {}
     for package in SHIPPED_PACKAGES:
         module = importlib.import_module(package)
+        assert module.__file__, f"{package} is imported from source files"
         directory = Path(module.__file__).parent
         sources[package] = ((directory / "__init__.py").read_text(encoding="utf-8"), True)
         if package == "clusterspec":
@@ -143,7 +144,9 @@ def _script() -> str:
             if path.name != "__init__.py":
                 sources[f"{package}.{path.stem}"] = (path.read_text(encoding="utf-8"), False)
     for name in SHIPPED_MODULES:
-        path = Path(importlib.import_module(name).__file__)
+        file = importlib.import_module(name).__file__
+        assert file, f"{name} is imported from a source file"
+        path = Path(file)
         sources[name] = (path.read_text(encoding="utf-8"), False)
     hostcheck = Path(__file__).with_name("hostcheck.py").read_text(encoding="utf-8")
     # A __future__ import must open the script; the shipped modules keep their own.
@@ -236,16 +239,16 @@ def judge_env(hosts: list[HostHealth]) -> None:
     fingerprints = {
         h.host: (h.env["python"], h.env["trainer"], h.env["torch"], h.env["freeze_sha"])
         for h in hosts
-        if h.env and h.check("python_env") and h.check("python_env").state == OK
+        if h.env and (c := h.check("python_env")) and c.state == OK
     }
     if len(set(fingerprints.values())) <= 1:
         return
     reference, _ = Counter(fingerprints.values()).most_common(1)[0]
     for h in hosts:
         own = fingerprints.get(h.host)
-        if own is None or own == reference:
-            continue
         check = h.check("python_env")
+        if own is None or own == reference or check is None:
+            continue
         check.state = CRIT
         check.detail = (
             f"differs from the other hosts: python/trainer/torch/freeze {'/'.join(own)} "

@@ -189,7 +189,9 @@ def check_topology(cfg):
         topology = layout.parse(out)
     except ToolError as error:
         return check("topology", UNKNOWN, str(error))
-    expected, sku = cfg.get("gpu_link"), "rlm_gpu_link"
+    # Local annotations are never evaluated: safe on the nodes' python 3.8.
+    expected: str | None = cfg.get("gpu_link")
+    sku: str | None = "rlm_gpu_link"
     if not expected:
         gpus, _ = read_gpus(vendor)
         name = next((g.name for g in gpus or [] if g.name), None)
@@ -294,9 +296,9 @@ def main(argv):
         thread.start()
     for thread in threads:
         thread.join()
-    results = [results[name] for name, _ in checks]
+    ordered = [results[name] for name, _ in checks]
     print(
-        json.dumps({"time": started, "hostname": socket.gethostname(), "checks": results, **facts})
+        json.dumps({"time": started, "hostname": socket.gethostname(), "checks": ordered, **facts})
     )
 
 

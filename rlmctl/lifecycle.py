@@ -124,7 +124,11 @@ def _exists(run: RunDir) -> RlmctlError:
 
 def claim_run(ctx: Context, run: RunDir, config_text: str) -> None:
     """Create the run directory exclusively with its config, then index it."""
-    record = {"inventory": str(ctx.inventory.source), "created": time.time(), "by": "rlmctl launch"}
+    record: dict[str, Any] = {
+        "inventory": str(ctx.inventory.source),
+        "created": time.time(),
+        "by": "rlmctl launch",
+    }
     try:
         run.create_exclusive(config_text, record)
     except FileExistsError:

@@ -301,10 +301,10 @@ def reindex(registry: Registry, runs_root: Path) -> list[str]:
         record = read_json(run.run_record_path) or {}
         created = record.get("created") or run.config_path.stat().st_mtime
         registry.add_run(run.name, str(run.path), str(record.get("inventory", "")), created)
-        launches = [
+        found = [
             (p.stat().st_mtime, read_json(p)) for p in sorted(run.path.glob("hosts/*/launch.json"))
         ]
-        launches = [(t, r) for t, r in launches if isinstance(r, dict) and "host" in r]
+        launches = [(t, r) for t, r in found if isinstance(r, dict) and "host" in r]
         if launches:
             when, newest = max(launches, key=lambda item: item[0])
             hosts = [r for _, r in launches if r.get("rdzv_id") == newest.get("rdzv_id")]

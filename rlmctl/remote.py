@@ -379,7 +379,7 @@ def _connection_class() -> Any:
     instance attribute."""
     from fabric import Connection
 
-    class SharedConfigConnection(Connection):  # type: ignore[misc]
+    class SharedConfigConnection(Connection):
         inline_ssh_env = None
 
     return SharedConfigConnection

@@ -14,7 +14,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rlmctl.records import (
@@ -105,7 +105,7 @@ MIN_FOLDED = 8  # columns that fold get at least this many characters
 
 
 def _show(
-    columns: tuple[str, ...], rows: list[tuple[str, ...]], keep: tuple[str, ...] = ()
+    columns: tuple[str, ...], rows: Sequence[tuple[str, ...]], keep: tuple[str, ...] = ()
 ) -> None:
     """`rows` as a table; cells may carry rich markup. When the terminal is too narrow for the
     kept cells side by side, each row becomes its first cell on a line of its own and the other

@@ -159,7 +159,8 @@ def bundle_metadata(wheel: Path) -> tuple[str, str, str | None]:
 
 def describe(directory: Path, bundle: Path, extras: list[str]) -> dict[str, Any]:
     """Every wheel of `directory` (name, version, size, sha256): one version per project."""
-    wheels, seen = [], {}
+    wheels: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}
     for path in sorted(directory.glob("*.whl")):
         parsed = spec.parse_wheel(path.name)
         name = spec.normalize(parsed["name"])
@@ -193,7 +194,7 @@ def clean_pip_env() -> dict[str, str]:
     return env | {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
-def verify(directory: Path, python_exe: str, bundle_name: str, bundle_only: bool) -> dict:
+def verify(directory: Path, python_exe: str, bundle_name: str, bundle_only: bool) -> dict[str, Any]:
     """Install the wheelhouse offline into a clean venv of `python_exe`; import torch and the
     trainer there. Returns what the venv reports."""
     with tempfile.TemporaryDirectory(prefix="rlm-wheelhouse-verify-") as tmp:
@@ -322,6 +323,7 @@ def build(
             "verified": None,
         }
         if check:
+            assert python_exe, "chosen above when check is set"
             step(f"installing it offline into a clean venv of {python_exe}")
             manifest["verified"] = {
                 **verify(staging, python_exe, described["bundle"]["name"], bundle_only),

@@ -44,6 +44,7 @@ from trainer.rundir import (
     CHECKPOINT_DIR_RE,
     MANIFEST_NAME,
     CheckpointInfo,
+    EventKind,
     ExitCode,
     RunDir,
     checkpoint_dir_name,
@@ -195,7 +196,7 @@ def _save_file(obj: Any, path: Path) -> str:
     ):
         writer = HashingWriter(f, pool)
         try:
-            torch.save(obj, writer)
+            torch.save(obj, writer)  # type: ignore[arg-type]  # any .write() works; stub: IO
         except RuntimeError as exc:
             if writer.error is not None:
                 raise writer.error from exc
@@ -281,7 +282,7 @@ class CheckpointStore:
         self._shard_stager: Any = None  # DCP's stager, kept: it reuses its host buffers
         self._host = socket.gethostname()
         # Called with a phase name at each step of a save; lets tests stop a save at a known point.
-        self.phase_hook: Callable[[str], None] = lambda phase: None
+        self.phase_hook: Callable[[str], object] = lambda phase: None
         # Sharded checkpoints are read into the state dict of the model as it is sharded now.
         self.tensor_template: Callable[[], dict[str, Any]] | None = None
         # Called with each file before it is read; lets tests make one rank's read fail.
@@ -426,7 +427,11 @@ class CheckpointStore:
         # A full disk must not turn a checkpoint that is safely saved into a crash.
         with contextlib.suppress(OSError):
             self.run_dir.append_event(
-                "checkpoint", step=step, path=str(final), bytes=size, seconds=self.last_save_seconds
+                EventKind.CHECKPOINT,
+                step=step,
+                path=str(final),
+                bytes=size,
+                seconds=self.last_save_seconds,
             )
         self.phase_hook("done")
         self._prune(keep_step=step)
@@ -571,7 +576,9 @@ class CheckpointStore:
         if self.rank == 0:
             log.error("error: %s", message)
             with contextlib.suppress(OSError):  # the same full disk; the log line is the record
-                self.run_dir.append_event("checkpoint_failed", step=step, error=_first_line(exc))
+                self.run_dir.append_event(
+                    EventKind.CHECKPOINT_FAILED, step=step, error=_first_line(exc)
+                )
         if self.cfg.on_error == "stop":
             error = CheckpointError(f"{message} (checkpoint.on_error=stop)")
             if threading.current_thread() is self._thread:
@@ -1022,6 +1029,7 @@ class CheckpointManager:
         if state is None:
             return None
         path = self.store.loaded_path
+        assert path is not None, "roll_back_state sets loaded_path with the state it returns"
         for component, rolled_back in self._components:
             if rolled_back:
                 component.load_state_dict(state)

@@ -215,7 +215,7 @@ def evaluate(
     if json_output:
         typer.echo(json.dumps(report, indent=2))
         return
-    for depth, values in report["depths"].items():  # type: ignore[union-attr]
+    for depth, values in report["depths"].items():
         typer.echo(
             f"depth {depth:>3}: loss {values['loss']:.4f}  perplexity {values['perplexity']:.2f}"
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from clusterspec import transport
 
@@ -29,7 +30,7 @@ def capture(run_dir: str | Path) -> Path | None:
     return directory / f"{socket.gethostname()}.{os.getpid()}.log"
 
 
-def describe(log_file: Path | None) -> dict | None:
+def describe(log_file: Path | None) -> dict[str, Any] | None:
     """The parsed path (CommPath.as_dict) from this rank's log; None without NCCL lines (gloo)."""
     if log_file is None or not log_file.exists():
         return None

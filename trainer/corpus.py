@@ -22,11 +22,12 @@ import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 from trainer.errors import DataError
 
 DEFAULT_CORPUS_NAME = "pydoc_data.topics"
-NORMALIZATION = "NFC"
+NORMALIZATION: Final = "NFC"
 DIRECTORY_SUFFIXES = (".txt", ".jsonl")
 
 # Cc minus \t and \n; \r is folded into \n before this runs.

@@ -414,7 +414,7 @@ class ShardRange:
     stop: int  # one past the last
 
 
-class TokenDataset(torch.utils.data.Dataset):
+class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
     """One split of a prepared dataset; `ds[i]` is a LongTensor of seq_len+1 token ids.
 
     Uncompressed shards are memory-mapped. zstd shards are read one frame at a time (`pread` of
@@ -611,6 +611,7 @@ def check_dataset(path: str | Path) -> dict[str, Any]:
     metadata = read_json(path / METADATA_NAME)
     if not isinstance(metadata, dict) or not isinstance(metadata.get("splits"), dict):
         TokenDataset(path)  # raises the error that names what is missing
+        raise DataError(f"{path / METADATA_NAME} lists no splits; prepare the dataset again")
     splits, checked = {}, 0
     for split in metadata["splits"]:
         dataset = TokenDataset(path, split, allow_empty=True)

@@ -330,7 +330,8 @@ def wrap_model(model: nn.Module, env: DistEnv, cfg: CommConfig, find_unused: boo
     wire = WIRE_DTYPES[cfg.compression]
     stats = CommStats(wire, cfg.predivide_factor, env.world_size, CommTimer(env.device))
     ddp.register_comm_hook(stats, compression_hook)
-    ddp.comm_stats = stats  # the loop reads and resets it once per step
+    # nn.Module.__setattr__ is typed for tensors and modules only; a plain attribute works.
+    ddp.comm_stats = stats  # type: ignore[assignment]  # the loop reads and resets it per step
     return ddp
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,7 +109,7 @@ def evaluate_checkpoint(
     batch_size: int = 8,
     seed: int = 0,
     plot: Path | None = None,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Perplexity per depth of a checkpoint or export on a prepared dataset's split (one process,
     CPU); the report `evaluate --json` prints."""
     from trainer.data import TokenDataset

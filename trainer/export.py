@@ -198,7 +198,7 @@ def import_hf(
             if (hf_dir / name).is_file():
                 shutil.copyfile(hf_dir / name, run.path / name)
         config["tokenizer"] = str((run.path / TOKENIZER_NAME).resolve())
-    state = {
+    state: dict[str, Any] = {
         "model": model.state_dict(),
         "optimizer": {},  # no optimizer state: training starts it fresh
         "scheduler": None,
@@ -210,9 +210,11 @@ def import_hf(
     }
     store = CheckpointStore(
         run,
-        CheckpointConfig(verify="full", format=checkpoint_format),
+        CheckpointConfig(
+            verify="full", format="sharded" if checkpoint_format == "sharded" else "full"
+        ),
         0,
-        1,  # type: ignore[arg-type]
+        1,
     )
     with warnings.catch_warnings():  # DCP: "assuming the intent is to save in a single process"
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class FlopsPerToken:
 
 
 @functools.lru_cache(maxsize=32)
-def _param_counts(shape: tuple) -> ParamCounts:
+def _param_counts(shape: tuple[Any, ...]) -> ParamCounts:
     with torch.device("meta"):
         return RecurrentLM(ModelConfig(*shape)).param_counts()
 

@@ -38,7 +38,7 @@ from trainer.evaluate import perplexity
 from trainer.flops import flops_per_token
 from trainer.model import ParamCounts
 from trainer.rankstats import RankTimes
-from trainer.rundir import ExitCode, RunDir, write_json_atomic
+from trainer.rundir import EventKind, ExitCode, RunDir, write_json_atomic
 
 log = logging.getLogger("trainer")
 
@@ -249,7 +249,7 @@ class Reporter:
 
     def event(self, kind: str, **fields: Any) -> None:
         if self.env.is_main:
-            self.run_dir.append_event(kind, **fields)
+            self.run_dir.append_event(EventKind(kind), **fields)
 
     def serve_metrics(self) -> None:
         """The Prometheus endpoint and /healthz ("starting") come up; a port in use is a
@@ -363,7 +363,7 @@ class Reporter:
         mcfg = self.cfg.model
         flops = flops_per_token(mcfg, result.recurrence, result.backprop_depth, self.seq_len)
         per_device = flops.useful * result.tokens_per_step / self.env.world_size / result.step_time
-        record = {
+        record: dict[str, Any] = {
             "kind": "train",
             "step": result.step,
             "loss": _finite_or_text(result.loss),
@@ -457,7 +457,11 @@ class Reporter:
             write_json_atomic(self.run_dir.status_path, status)
             stall = self._take_stall()  # the last save, and the wait for an async one
             self.run_dir.append_event(
-                "exit", exit_code=int(exit_code), state=state, step=step, checkpoint_stall=stall
+                EventKind.EXIT,
+                exit_code=int(exit_code),
+                state=state,
+                step=step,
+                checkpoint_stall=stall,
             )
         if self.metrics is not None:
             self.metrics.set_state(state)

@@ -103,7 +103,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -111,11 +111,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk: int,
     ) -> torch.Tensor:
         grad_x, grad_w, total, count = _linear_cross_entropy(x, weight, labels, chunk, True)
+        assert grad_x is not None and grad_w is not None  # grads=True computes both
         ctx.save_for_backward(grad_x / count, grad_w / count)
         return total / count
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):  # type: ignore[override]
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         grad_x, grad_w = ctx.saved_tensors  # type: ignore[attr-defined]
         return grad_x * grad_loss.to(grad_x.dtype), grad_w * grad_loss, None, None
 

@@ -13,7 +13,8 @@ from trainer.config import OptimConfig
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only: norm gains are not decayed, and neither is the
     (tied) embedding, whose rows of rare tokens would otherwise shrink towards zero."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

@@ -107,7 +107,7 @@ def build_mesh(cfg: Config, env: DistEnv) -> DeviceMesh:
 
 
 class CountingAllGather(DefaultAllGather):
-    def __init__(self, stats: CommStats) -> None:
+    def __init__(self, stats: ShardedCommStats) -> None:
         self.stats = stats
 
     def __call__(self, output_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -117,7 +117,7 @@ class CountingAllGather(DefaultAllGather):
 
 
 class CountingReduceScatter(DefaultReduceScatter):
-    def __init__(self, stats: CommStats) -> None:
+    def __init__(self, stats: ShardedCommStats) -> None:
         self.stats = stats
 
     def __call__(
@@ -226,8 +226,8 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(sync)
         yield
-    elif not sync and hasattr(model, "no_sync"):
-        with model.no_sync():
+    elif not sync and (no_sync := getattr(model, "no_sync", None)) is not None:
+        with no_sync():
             yield
     else:
         yield
@@ -244,12 +244,14 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state dicts of a sharded model, unsharded in rank 0's host memory (the
     only rank that writes; the others get empty dicts), in the layout `state_dict()` of the
     unsharded model and optimizer has. A collective."""
     model_state = get_model_state_dict(model, options=_FULL)
-    named = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    named: dict[str, Any] = get_optimizer_state_dict(model, optimizer, options=_FULL)
     if not named:
         return model_state, {}
     # By parameter name -> by parameter index, as torch.optim numbers them.
@@ -265,7 +267,10 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 
 def load_full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any],
 ) -> None:
     """Shard full (unsharded) state dicts into a sharded model and its optimizer, locally and
     tensor by tensor: every rank has the full tensors (memory-mapped from the checkpoint,
@@ -330,7 +335,7 @@ def _sharded_like(value: Any, param: torch.Tensor) -> Any:
         return value
     if isinstance(param, DTensor) and value.shape == param.shape:
         mine = _own_slice(value, param).clone()
-        sharded = DTensor.from_local(
+        sharded: torch.Tensor = DTensor.from_local(
             mine, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
         )
     else:

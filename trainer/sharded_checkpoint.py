@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from trainer.hashed_write import HashingWriter, without_zip_crc32
 
@@ -100,7 +101,7 @@ class _HashingFileSystem(FileSystem):
         self.write_errors: list[tuple[Path, BaseException]] = []  # from any writer thread
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
         if "w" in mode:
             with self._write_stream(Path(path), mode) as stream:
                 yield stream
@@ -147,7 +148,7 @@ class _HashingFileSystem(FileSystem):
         else:
             self.digests[path.name] = writer.hexdigest()
 
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         # DCP writes .metadata.tmp and renames it to .metadata.
         super().rename(path, new_path)
         digest = self.digests.pop(Path(path).name, None)
@@ -213,6 +214,8 @@ class ShardWrite:
         response = dcp.async_save(
             tensors, storage_writer=writer, process_group=group, async_stager=stager
         )
+        if not isinstance(response, AsyncSaveResponse):  # a stager that staged synchronously
+            raise TypeError(f"{type(stager).__name__} must stage in the background")
         self.staged = Staged(response.staging_completion)
         self._future = response.upload_completion
 

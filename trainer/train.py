@@ -201,7 +201,7 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
                 code = exc.exit_code if isinstance(exc, UserError) else ExitCode.FAILED
                 with contextlib.suppress(OSError):
                     RunDir(cfg.run_dir).append_event(
-                        "exit", exit_code=int(code), state="failed", step=None
+                        EventKind.EXIT, exit_code=int(code), state="failed", step=None
                     )
         raise
     setup_logging(env.rank)
@@ -229,7 +229,7 @@ def _setup_and_train(cfg: Config, signals: StopSignals, hooks: TrainHooks) -> Ex
         if path and env.is_main:
             log.info("comm path: %s", path["summary"])
             run_dir.append_event(
-                "comm_path", transports=path["transports"], summary=path["summary"]
+                EventKind.COMM_PATH, transports=path["transports"], summary=path["summary"]
             )
         run = Run.build(cfg, env, train_ds, hooks)
         exit_code, state = _loop(run, cfg, env, run_dir, reporter, signals, val_ds, accum_steps)
@@ -276,7 +276,7 @@ def _record_refusal(run_dir: RunDir, error: UserError) -> None:
     code = int(error.exit_code)
     with contextlib.suppress(OSError):  # an unwritable directory: the error line is the record
         run_dir.append_event(EventKind.START_REFUSED, exit_code=code, reason=str(error))
-        run_dir.append_event("exit", exit_code=code, state=None, step=None)
+        run_dir.append_event(EventKind.EXIT, exit_code=code, state=None, step=None)
 
 
 def _record_exit(
@@ -304,7 +304,7 @@ def _record_exit(
         reporter.exit(state, exit_code, run.progress.step if run else 0)
         return
     with contextlib.suppress(OSError):
-        run_dir.append_event("exit", exit_code=int(exit_code), state=state, step=None)
+        run_dir.append_event(EventKind.EXIT, exit_code=int(exit_code), state=state, step=None)
 
 
 @dataclass
@@ -504,7 +504,7 @@ def train_step(
         [float(loss_sum), 1.0 if signals.requested else 0.0], env
     )
     loss_value = loss_total / env.world_size
-    lr = tensors.scheduler.get_last_lr()[0]
+    lr = float(tensors.scheduler.get_last_lr()[0])  # typed float | Tensor; ours is a float
 
     # With fp16 an overflowing gradient is the loss scaler's business (it skips the step and
     # lowers the scale); a non-finite loss is trouble in every precision.

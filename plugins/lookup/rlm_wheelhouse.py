@@ -50,7 +50,7 @@ class LookupModule(LookupBase):
         build = spec.build_command(
             node.get("python") or "3.X", node.get("vendor") or "none", node.get("glibc")
         )
-        if error:
+        if error or manifest is None:
             return [{"manifest": None, "problems": [error], "build": build}]
         found = spec.problems(
             manifest,

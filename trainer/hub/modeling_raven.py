@@ -168,8 +168,9 @@ class RavenPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["SandwichBlock"]  # noqa: RUF012 (transformers' own class attributes)
     _supports_sdpa = True
     # transformers 5 maps each tied parameter to its source; 4.x lists the tied parameters.
+    # (transformers declares the attribute as a bare None, hence the ignore.)
     _tied_weights_keys = (
-        {"lm_head.weight": "transformer.wte.weight"}
+        {"lm_head.weight": "transformer.wte.weight"}  # type: ignore[assignment]
         if _TRANSFORMERS_MAJOR >= 5
         else ["lm_head.weight"]
     )
@@ -191,7 +192,11 @@ class RavenPreTrainedModel(PreTrainedModel):
                 nn.init.trunc_normal_(weight, std=out, a=-3 * out, b=3 * out)
 
 
-class RavenForCausalLM(RavenPreTrainedModel, GenerationMixin):
+# transformers' two bases declare generation_config differently (its stubs, not this class).
+class RavenForCausalLM(RavenPreTrainedModel, GenerationMixin):  # type: ignore[misc]
+    transformer: Any  # an nn.ModuleDict in the published layout: attributes typed at runtime only
+    freqs_cis: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, config: RavenConfig) -> None:
         super().__init__(config)
         d = config.n_embd
@@ -219,7 +224,7 @@ class RavenForCausalLM(RavenPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Module) -> None:
         self.transformer.wte = value
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -352,7 +357,9 @@ class RavenForCausalLM(RavenPreTrainedModel, GenerationMixin):
             raise ValueError(f"num_steps must be >= 1, got {steps}")
         return steps, min(backprop, steps)
 
-    def prepare_inputs_for_generation(
+    # generate() passes cache_position by keyword (dropped below) and gets back the cache that
+    # forward made: a RecurrentCache, not one of transformers' Cache classes.
+    def prepare_inputs_for_generation(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
         past_key_values: RecurrentCache | None = None,
