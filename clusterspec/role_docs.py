@@ -121,8 +121,8 @@ def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
 
 
 def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
-    # Long values folded (`>-`), as written by hand; a template's quotes then stay as they are.
-    style = ">" if len(data) > 72 else None
+    # Long values folded (`>-`), short templates double-quoted: their own quotes stay as written.
+    style = ">" if len(data) > 72 else '"' if "'" in data and '"' not in data else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
 
 
