@@ -157,7 +157,7 @@ def _shown(value: Any) -> str:
 def _default_cell(name: str, defaults: dict[str, Any]) -> str:
     has, value, names = _option_default(name, defaults)
     if not has:
-        return "(none: required)"
+        return "none"
     shown = f"`{_cell(_shown(value))}`"
     if names:
         shown += " from " + ", ".join(f"`{n}`" for n in names)
@@ -206,10 +206,9 @@ def readme(role: Path) -> str:
                 kind += f" of {option['elements']}"
             if option.get("choices"):
                 kind += " (" + ", ".join(map(str, option["choices"])) + ")"
-            lines.append(
-                f"| `{name}` | {_cell(kind)} | {_default_cell(name, defaults)} "
-                f"| {_cell(' '.join(str(option['description']).split()))} |"
-            )
+            shown = "required" if option.get("required") else _default_cell(name, defaults)
+            about = _cell(" ".join(str(option["description"]).split()))
+            lines.append(f"| `{name}` | {_cell(kind)} | {shown} | {about} |")
     return "\n".join(lines) + "\n"
 
 
