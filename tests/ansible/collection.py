@@ -15,6 +15,7 @@ from tests.ansible.playbook_run import BIN, REPO
 
 
 def install(work: Path) -> Path:
+    work.mkdir(parents=True, exist_ok=True)
     config = work / "ansible.cfg"
     config.write_text(f"[defaults]\ncollections_path = {work / 'collections'}\n")
     env = {**os.environ, "ANSIBLE_CONFIG": str(config), "ANSIBLE_NOCOLOR": "1"}
