@@ -57,7 +57,7 @@ def markdown() -> str:
         "",
         "Generated from `clusterspec/variables.yml` by `python -m clusterspec.variables`; edit that",
         "file, not this one. The Ansible roles, rlmctl and monitoring/file_sd all take their",
-        "defaults from it. Role parameters are documented in `roles/<role>/defaults/main.yml`.",
+        "defaults from it. Role parameters: `roles/<role>/README.md` (`ansible-doc -t role rlm.ops.<role>`).",
         "",
         "| variable | type | default | description |",
         "|---|---|---|---|",

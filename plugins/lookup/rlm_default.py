@@ -1,6 +1,6 @@
 """Lookup `rlm_default`: the default of a site-level rlm_* variable from clusterspec/variables.yml.
 
-    some_role_var: "{{ rlm_gpu_vendor | default(lookup('rlm_default', 'rlm_gpu_vendor')) }}"
+    some_role_var: "{{ rlm_gpu_vendor | default(lookup('rlm.ops.rlm_default', 'rlm_gpu_vendor')) }}"
 
 The roles' only way to default an rlm_* variable, so that Ansible, rlmctl and the exporter agree.
 """

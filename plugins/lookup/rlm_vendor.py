@@ -2,8 +2,8 @@
 description, clusterspec/vendors/<vendor>.py (the same module the health gate, the exporter and
 the trainer read).
 
-    gpu_power_vendor: "{{ lookup('rlm_vendor', gpu_detect_vendor) }}"       # one vendor's facts
-    pci_ids: "{{ lookup('rlm_vendor', attribute='pci_vendor_id') }}"         # {vendor: value}
+    gpu_power_vendor: "{{ lookup('rlm.ops.rlm_vendor', gpu_detect_vendor) }}"       # one vendor's facts
+    pci_ids: "{{ lookup('rlm.ops.rlm_vendor', attribute='pci_vendor_id') }}"         # {vendor: value}
 
 Facts are the description's role-facing attributes (ROLE_FACTS below), lower-cased, tuples as lists.
 """

@@ -1,6 +1,6 @@
 """Lookup `rlm_wheelhouse`: a wheelhouse's manifest and whether it fits a node.
 
-    fit: "{{ lookup('rlm_wheelhouse', trainer_env_wheelhouse, python='3.13', glibc='2.41',
+    fit: "{{ lookup('rlm.ops.rlm_wheelhouse', trainer_env_wheelhouse, python='3.13', glibc='2.41',
               machine='x86_64', vendor='none', torch='2.13.0', bundle='0.1.0') }}"
 
 Returns {"manifest": {...} or None, "problems": [one line each], "build": the builder's command

@@ -116,8 +116,17 @@ def run_playbook(
     env: dict[str, str] | None = None,
     timeout: float = 600,
 ) -> PlaybookRun:
-    """ansible-playbook with the repository's ansible.cfg, a private fact cache and JSON output."""
-    argv = [ansible_playbook(), "-i", str(inventory), str(PLAYBOOKS / playbook)]
+    """ansible-playbook with the repository's ansible.cfg, a private fact cache and JSON output.
+
+    `playbook`: a file under playbooks/, or a collection's playbook by name (rlm.ops.site).
+    """
+    named = isinstance(playbook, str) and playbook.startswith("rlm.ops.")
+    argv = [
+        ansible_playbook(),
+        "-i",
+        str(inventory),
+        playbook if named else str(PLAYBOOKS / playbook),
+    ]
     if check:
         argv += ["--check", "--diff"]
     if tags:

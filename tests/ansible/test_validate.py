@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.ansible.collection import install
 from tests.ansible.playbook_run import FAKE_VENDOR_BIN, REPO, run_playbook, write_inventory
 from tests.ansible.rig_site import build_wheelhouse
 
@@ -122,7 +123,14 @@ def test_bad_variables_fail_before_any_change(tmp_path: Path) -> None:
 
 
 def test_the_validate_tag_runs_the_checks_inside_every_gpu_role(tmp_path: Path) -> None:
-    """`--tags validate` used to run only the include itself in gpu_amd, gpu_nvidia, gpu_power."""
+    """`--tags validate` used to run only the include itself in gpu_amd, gpu_nvidia, gpu_power.
+
+    Run as a site runs the installed collection: `ansible-playbook rlm.ops.site`, with an
+    ansible.cfg that knows only the copy `ansible-galaxy collection install --offline` put in
+    place (no checkout, no roles_path), so preflight, the roles and their FQCN plugin calls all
+    come from it.
+    """
+    config = install(tmp_path / "collection")
     local = {
         "ansible_connection": "local",
         "ansible_python_interpreter": sys.executable,
@@ -137,13 +145,16 @@ def test_the_validate_tag_runs_the_checks_inside_every_gpu_role(tmp_path: Path) 
         }
     }
     run = run_playbook(
-        "provision.yml",
+        "rlm.ops.site",
         write_inventory(tmp_path / "hosts.yml", inventory),
         tmp_path,
         check=True,
         skip_tags="reachability",
         tags="validate",
-        env={"PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}"},
+        env={
+            "PATH": f"{FAKE_VENDOR_BIN}{os.pathsep}{os.environ['PATH']}",
+            "ANSIBLE_CONFIG": str(config),
+        },
     )
     assert run.rc == 0, run.failures("amd") + run.failures("nv")
     gpu_play = "GPU driver stack, power caps and collectives"
@@ -161,6 +172,7 @@ def test_the_validate_tag_runs_the_checks_inside_every_gpu_role(tmp_path: Path) 
     assert ran_in_gpu_play(
         "nv", "Check the cap is inside every GPU's range before changing anything"
     )
+    assert "Validate variables before any change" in {r.play for r in run.results}
     assert all(run.changed(h) == [] for h in hosts)
 
 
