@@ -391,12 +391,16 @@ def probe_filesystem(path: Path) -> FilesystemSnapshot:
 def runs_trainer(argv: list[str]) -> bool:
     """True for trainer worker processes (`python -m trainer train`, `rlm-train train`).
 
-    torchrun's agent carries the same arguments but holds no GPU memory: it is not counted.
+    torchrun's agent carries the same arguments but holds no GPU memory, and so do the processes
+    that start it (rlmctl's launcher shell, `sh -c WRAPPER rlmctl-launcher python -m
+    torch.distributed.run ... -m trainer train`; `podman run IMAGE python3 -m
+    torch.distributed.run ...`): a command line that names torchrun before the trainer is not
+    counted.
     """
     names = [os.path.basename(arg) for arg in argv]
-    if any(name in ("torchrun", "torch.distributed.run") for name in names[:3]):
-        return False
     for i, name in enumerate(names):
+        if name in ("torchrun", "torch.distributed.run"):
+            return False
         if name == "rlm-train" or (name == "trainer" and i > 0 and argv[i - 1] == "-m"):
             return argv[i + 1 : i + 2] == ["train"]
     return False
@@ -774,9 +778,7 @@ class RlmCollector(Collector):
         for worker in workers:
             process = worker.process
             try:
-                with process.oneshot():
-                    memory = process.memory_info().rss
-                    open_fds = process.num_fds()
+                memory = process.memory_info().rss  # /proc/<pid>/statm: readable by anyone
             except psutil.Error:
                 continue  # exited between listing and reading
             count += 1
@@ -784,7 +786,11 @@ class RlmCollector(Collector):
                 runs[worker.run] = runs.get(worker.run, 0) + 1
             pid = str(process.pid)
             rss.add_metric([pid], memory)
-            fds.add_metric([pid], open_fds)
+            # /proc/<pid>/fd is readable only by the worker's own user (or with CAP_SYS_PTRACE):
+            # the role's exporter (User=rlm-exporter) cannot count the open files of a trainer
+            # started as root or as the service user. The worker still counts, with its run.
+            with contextlib.suppress(psutil.Error):
+                fds.add_metric([pid], process.num_fds())
         alive.add_metric([], count)
         for run, workers_of_run in sorted(runs.items()):
             per_run.add_metric([run], workers_of_run)

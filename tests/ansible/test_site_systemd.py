@@ -711,15 +711,18 @@ def test_a_lost_gpu_pages_and_its_return_resolves(alerting: alerting_site.Alerti
     timing = alerting_site.lost_gpu(alerting)
     assert timing.labels["severity"] == "critical"
     report(timing)
-    if timing.labels.get("run") != alerting_site.RUN:
-        # Known gap (issue 23, open): since the trainer is started through the run layer's SSH
-        # backend, GpuMissing pages without the host's run label on these nodes (it had it
-        # before that merge); the page and its resolution above still hold. What the join read:
-        joined = {
-            query: [series["metric"] for series in alerting.prometheus.query(query)]
-            for query in ('rlm:host_run{host="node2"}', "rlm_run_workers")
-        }
-        pytest.xfail(f"GpuMissing without its run label {timing.labels}; join read {joined}")
+    # The run of the host's trainer, joined on (rlm:host_run, from the sandboxed exporter's
+    # rlm_run_workers); what the join read when it is missing.
+    assert timing.labels.get("run") == alerting_site.RUN, (timing.labels, joined_run(alerting))
+
+
+def joined_run(alerting: alerting_site.Alerting) -> dict[str, list[dict[str, str]]]:
+    queries = (
+        f'rlm:host_run{{host="{alerting.gpu_host}"}}',
+        "rlm_run_workers",
+        f'rlm_trainer_processes{{host="{alerting.gpu_host}"}}',
+    )
+    return {q: [s["metric"] for s in alerting.prometheus.query(q)] for q in queries}
 
 
 def test_a_stalled_trainer_pages_and_its_recovery_resolves(

@@ -67,7 +67,11 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 def scrape(port: int) -> Samples:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
+        return parse(response.read().decode())
+
+
+def parse(text: str) -> Samples:
+    """The samples of an exposition (a scrape, `rlm-exporter --once`)."""
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

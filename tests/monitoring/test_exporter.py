@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from monitoring import exporter
+from rlmctl import hostproc
 from tests.monitoring.conftest import (
     install_tool,
     names,
@@ -416,6 +417,9 @@ def test_finished_runs_disappear_after_an_hour(tmp_path) -> None:
     assert not exporter.is_visible(snapshot, time.time() + 2 * 3600)
 
 
+TORCHRUN = ["python3", "-m", "torch.distributed.run", "--nnodes=1", "-m", "trainer", "train"]
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -427,6 +431,9 @@ def test_finished_runs_disappear_after_an_hour(tmp_path) -> None:
             False,
         ),
         (["/venv/bin/python", "-m", "torch.distributed.run", "-m", "trainer", "train"], False),
+        # What starts torchrun: rlmctl's launcher shell (hostproc.start), podman run of an image.
+        (["/bin/sh", "-c", hostproc.WRAPPER, "rlmctl-launcher", *TORCHRUN], False),
+        (["podman", "run", "--rm", "--network=host", "localhost/rlm:1", *TORCHRUN], False),
         (["/venv/bin/python", "-m", "trainer", "prepare", "--out", "d"], False),
         (["vim", "trainer/train.py"], False),
     ],
