@@ -490,3 +490,28 @@ def test_bad_arguments_are_one_line_errors(argv, capsys) -> None:
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_event_times_for_the_dashboards_annotations(tmp_path: Path) -> None:
+    """rlm_run_event_timestamp_seconds: the newest event of each kind in events.jsonl, read by
+    the dashboard's Launches, Checkpoints and Failures annotations."""
+    run = RunDir(tmp_path / "runs" / "run-e").create()
+    run.append_event("launched")
+    first = run.append_event("checkpoint", step=10)
+    last = run.append_event("checkpoint", step=20)
+    failed = run.append_event("failure", reason="exit 1")
+    write_json_atomic(run.status_path, {"state": "running", "step": 20, "updated": time.time()})
+    once = subprocess.run(
+        [sys.executable, "-m", "monitoring.exporter", "--once", "--gpu-source", "none",
+         "--run-root", str(tmp_path / "runs")],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    found = {
+        m[0]: float(m[1])
+        for m in re.findall(
+            r'rlm_run_event_timestamp_seconds\{event="([a-z_]+)",run="run-e"\} (\S+)', once.stdout
+        )
+    }
+    assert set(found) == {"launched", "checkpoint", "failure"}, once.stdout
+    assert found["checkpoint"] == pytest.approx(last.time) and last.time >= first.time
+    assert found["failure"] == pytest.approx(failed.time)
