@@ -76,7 +76,13 @@ def figure(chart: Chart) -> Any:
     """The chart as a matplotlib Figure (Agg canvas: no display, no pyplot state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, ScalarFormatter
+    from matplotlib.ticker import (
+        EngFormatter,
+        FixedLocator,
+        LogLocator,
+        MaxNLocator,
+        ScalarFormatter,
+    )
 
     fig = Figure(figsize=(7.0, 4.2), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
@@ -103,6 +109,8 @@ def figure(chart: Chart) -> Any:
         ax.xaxis.set_minor_locator(FixedLocator([]))
     else:
         ax.xaxis.set_major_locator(MaxNLocator(nbins=7, steps=[1, 2, 2.5, 5, 10], min_n_ticks=4))
+        if max(abs(x) for points in chart.series.values() for x, _ in points) >= 1e4:
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # tokens: 200k, 1.5M, 3G
     if chart.log_y():
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
