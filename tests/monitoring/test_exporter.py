@@ -22,7 +22,7 @@ from tests.monitoring.conftest import (
     value,
     wait_for,
 )
-from tests.monitoring.test_config import dashboard_queries, rules
+from tests.monitoring.test_config import annotation_queries, dashboard_queries, rules
 from trainer.rundir import RunDir, write_json_atomic, write_manifest
 
 GPU_SERIES = "rlm_gpu_temperature_celsius"
@@ -152,6 +152,7 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
 
         # Every exporter series the rules and the dashboard use exists under that exact name.
         expressions = [rule["expr"] for rule in rules()] + dashboard_queries()
+        expressions += annotation_queries()
         used = {n for e in expressions for n in re.findall(r"rlm_(?!train_)[a-z_]*[a-z]", e)}
         if not any(exporter.link_speed_bytes(device) for device in os.listdir("/sys/class/net")):
             used.discard("rlm_network_speed_bytes")  # no interface here reports a link speed
