@@ -33,6 +33,10 @@ SITE_TAGS = "common,trainer_env,slurm"
 # common too, which refreshes a bare node's apt lists, as site.yml --check does.
 SLURM_TAGS = "slurm"
 CHECK_TAGS = "common,slurm"
+# The nodes run the health check every slurm_health_interval (the role's 300 s, as a site would);
+# the tests that wait on the periodic check shorten it to this while they run: every round runs
+# rlmctl's host checks on each node (three Python starts), which cost the shared cores the whole
+# module long at 20 s.
 HEALTH_INTERVAL_S = 20
 # SlurmdTimeout: a node that stops answering (a munge key that differs) is DOWN after this, not
 # after Slurm's 300 s; slurmctld pings every third of it.
@@ -81,9 +85,6 @@ def slurm_inventory(rig: Rig, work: Path) -> dict[str, Any]:
             "slurm_constrain_devices": False,
             "common_packages": ["procps", "iproute2"],
             "common_time_sync": "none",
-            # Short, so that the drain test waits seconds, not Slurm's minutes; longer would
-            # only cost the shared cores less (each round runs rlmctl's host checks per node).
-            "slurm_health_interval": HEALTH_INTERVAL_S,
             "rlm_comm_env": LEDGER_ENV,
             "slurm_slurmd_timeout": SLURMD_TIMEOUT_S,
             "slurm_preemption": True,

@@ -4,6 +4,7 @@ real daemons. One rig for the module."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -732,23 +733,24 @@ def test_a_node_failing_the_health_check_drains_with_its_reason_and_resumes(
     rig, shared = cluster.rig, str(cluster.rig.shared_dir)
     waited = 4 * HEALTH_INTERVAL_S + 30
     assert rig.exec("node4", f"{HEALTH_PROGRAM} --gate", check=False).returncode == 0
-    rig.exec("node4", f"mount -t tmpfs rlm-hidden {shared}")
-    try:
-        _, reason = wait_for(
-            lambda: (s := node_state(cluster, "node4"))[0].startswith("drain") and s,
-            waited,
-            "node4 drained by its health check",
-            lambda: health_diagnostics(cluster, "node4"),
-        )
-        assert reason.startswith("rlm-health: shared_fs CRIT: "), reason
-        assert "NOT the shared filesystem" in reason, reason
-        gate = rig.exec("node4", f"{HEALTH_PROGRAM} --gate", check=False)
-        assert gate.returncode == 1 and "shared_fs CRIT" in gate.stderr, gate.stderr
-        ran = rig.exec("node1", "srun --nodes=2 hostname", timeout=120).stdout
-        assert sorted(ran.split()) == ["node2", "node3"], ran
-    finally:
-        rig.exec("node4", f"umount {shared}")
-    wait_for(lambda: node_state(cluster, "node4")[0] == "idle", waited, "node4 resumed")
+    with health_checks_every(cluster, HEALTH_INTERVAL_S):
+        rig.exec("node4", f"mount -t tmpfs rlm-hidden {shared}")
+        try:
+            _, reason = wait_for(
+                lambda: (s := node_state(cluster, "node4"))[0].startswith("drain") and s,
+                waited,
+                "node4 drained by its health check",
+                lambda: health_diagnostics(cluster, "node4"),
+            )
+            assert reason.startswith("rlm-health: shared_fs CRIT: "), reason
+            assert "NOT the shared filesystem" in reason, reason
+            gate = rig.exec("node4", f"{HEALTH_PROGRAM} --gate", check=False)
+            assert gate.returncode == 1 and "shared_fs CRIT" in gate.stderr, gate.stderr
+            ran = rig.exec("node1", "srun --nodes=2 hostname", timeout=120).stdout
+            assert sorted(ran.split()) == ["node2", "node3"], ran
+        finally:
+            rig.exec("node4", f"umount {shared}")
+        wait_for(lambda: node_state(cluster, "node4")[0] == "idle", waited, "node4 resumed")
 
 
 def test_the_health_check_leaves_an_operators_drain_alone(cluster: Cluster) -> None:
@@ -774,6 +776,20 @@ def set_health_interval(cluster: Cluster, seconds: int) -> None:
     cluster.rig.exec("node1", "scontrol reconfigure")
 
 
+@contextlib.contextmanager
+def health_checks_every(cluster: Cluster, seconds: int) -> Iterator[None]:
+    """The periodic health check every `seconds` (0: off) while the block runs; then the
+    interval the role deployed again."""
+    deployed = cluster.rig.exec(
+        "node1", "sed -n 's/^HealthCheckInterval=//p' /etc/slurm/slurm.conf"
+    ).stdout.strip()
+    set_health_interval(cluster, seconds)
+    try:
+        yield
+    finally:
+        set_health_interval(cluster, int(deployed))
+
+
 def job_state(cluster: Cluster, job: str) -> str:
     out = cluster.rig.exec(
         "node1", f"sacct --noheader --parsable2 --allocations --jobs {job} --format=State"
@@ -788,34 +804,34 @@ def test_the_prolog_gate_drains_a_failing_node_and_the_job_does_not_run_there(
     job asked onto node4 drains it with the check's reason and goes back to the queue."""
     assert cluster.first.rc == 0
     rig, shared = cluster.rig, str(cluster.rig.shared_dir)
-    set_health_interval(cluster, 0)
     job = ""
-    try:
-        rig.exec("node4", f"mount -t tmpfs rlm-hidden {shared}")
-        job = rig.exec(
-            "node1", "sbatch --parsable --nodelist=node4 --output=/dev/null --wrap 'hostname'"
-        ).stdout.strip()
-        _, reason = wait_for(
-            lambda: (s := node_state(cluster, "node4"))[0].startswith("drain") and s,
-            120,
-            "node4 drained by the prolog",
-            lambda: health_diagnostics(cluster, "node4"),
+    with health_checks_every(cluster, 0):
+        try:
+            rig.exec("node4", f"mount -t tmpfs rlm-hidden {shared}")
+            job = rig.exec(
+                "node1", "sbatch --parsable --nodelist=node4 --output=/dev/null --wrap 'hostname'"
+            ).stdout.strip()
+            _, reason = wait_for(
+                lambda: (s := node_state(cluster, "node4"))[0].startswith("drain") and s,
+                120,
+                "node4 drained by the prolog",
+                lambda: health_diagnostics(cluster, "node4"),
+            )
+            assert reason.startswith("rlm-health: shared_fs CRIT: "), reason
+            queued = rig.exec("node1", f"squeue --noheader --jobs {job} --format=%T").stdout
+            assert queued.strip() == "PENDING", queued  # requeued by the failed prolog, not run
+            assert job_state(cluster, job) != "COMPLETED"
+        finally:
+            if job:
+                rig.exec("node1", f"scancel {job}", check=False)
+            rig.exec("node4", f"umount {shared}", check=False)
+    # The drain carries the health check's prefix, so the periodic health check resumes it.
+    with health_checks_every(cluster, HEALTH_INTERVAL_S):
+        wait_for(
+            lambda: node_state(cluster, "node4")[0] == "idle",
+            4 * HEALTH_INTERVAL_S + 30,
+            "node4 resumed by its health check",
         )
-        assert reason.startswith("rlm-health: shared_fs CRIT: "), reason
-        queued = rig.exec("node1", f"squeue --noheader --jobs {job} --format=%T").stdout.strip()
-        assert queued == "PENDING", queued  # requeued by the failed prolog, not run
-        assert job_state(cluster, job) != "COMPLETED"
-    finally:
-        if job:
-            rig.exec("node1", f"scancel {job}", check=False)
-        rig.exec("node4", f"umount {shared}", check=False)
-        set_health_interval(cluster, HEALTH_INTERVAL_S)
-    # The drain carries the health check's prefix, so the health check resumes it.
-    wait_for(
-        lambda: node_state(cluster, "node4")[0] == "idle",
-        4 * HEALTH_INTERVAL_S + 30,
-        "node4 resumed by its health check",
-    )
 
 
 def job_gone(cluster: Cluster, job: str) -> bool:

@@ -163,9 +163,12 @@ def test_autocast_peak_on_cpu_is_not_below_fp32(dtype: torch.dtype) -> None:
     head over the fp32 stream, anything autocast leaves in fp32), and on a CPU without fast
     fp16 kernels those run 10-60x faster than the fp16 probe (measured here: F.linear 1024^3
     fp16 1.1-4.7 GFLOP/s, fp32 80). The peak of a mixed step is the fastest of its dtypes."""
-    peak, source = peak_flops(torch.device("cpu"), dtype)
-    fp32 = measure_gemm_flops(torch.float32, seconds=0.2)
-    assert peak >= 0.5 * fp32, (peak, fp32, source)
+    cpu = torch.device("cpu")
+    peak, source = peak_flops(cpu, dtype)
+    # The very probes peak_flops took (measured once per process): a fresh fp32 probe compared
+    # with a peak measured earlier in the session fails whenever the machine's load changed.
+    probes = {d: flops._measured_peak(cpu, d) for d in (dtype, torch.float32)}
+    assert peak == max(probes.values()), (peak, probes, source)
     assert "float32" in source and str(dtype).removeprefix("torch.") in source, source
 
 
