@@ -18,7 +18,7 @@ DEMO_SYSTEM_PACKAGES := procps
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[train,dev]'
+	$(BIN)/pip install --quiet -e '.[controller,train,dev]'
 	touch $@
 
 venv: $(VENV)/.installed

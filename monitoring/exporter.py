@@ -247,6 +247,8 @@ class RunSnapshot:
     # None where events.jsonl could not be read: a counter must not drop to 0 and back.
     restarts: int | None = None
     checkpoint_failures: int | None = None
+    # event kind -> time of its newest line in events.jsonl: the dashboard's annotations
+    event_times: dict[str, float] = field(default_factory=dict)
     checkpoint_step: int | None = None
     checkpoint_mtime: float | None = None
     exit_codes: list[int] = field(default_factory=list)  # of the newest attempt
@@ -307,6 +309,7 @@ def read_run(path: Path) -> RunSnapshot:
         status=status,
         restarts=run.restarts(),
         checkpoint_failures=sum(1 for e in events if e.kind == "checkpoint_failed"),
+        event_times={e.kind: e.time for e in events if e.kind and e.time > 0},
         checkpoint_step=checkpoint.step if checkpoint else None,
         checkpoint_mtime=checkpoint.mtime if checkpoint else None,
         exit_codes=run.attempt_exit_codes(events),
@@ -698,6 +701,11 @@ class RlmCollector(Collector):
             "host's torchrun, else 0; absent while none has exited",
             labels=["run"],
         )
+        event_times = GaugeMetricFamily(
+            "rlm_run_event_timestamp_seconds",
+            "When the newest event of each kind in events.jsonl happened (unix time)",
+            labels=["run", "event"],
+        )
         logs_updated = GaugeMetricFamily(
             "rlm_run_logs_updated_timestamp_seconds",
             "Newest change of the run's launcher logs and metrics.jsonl (unix time)",
@@ -724,6 +732,8 @@ class RlmCollector(Collector):
                 value = run.status.get(key)
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     family.add_metric([run.name], value)
+            for kind, when in sorted(run.event_times.items()):
+                event_times.add_metric([run.name, kind], when)
             if run.restarts is not None:
                 restarts.add_metric([run.name], run.restarts)
             if run.checkpoint_failures is not None:
@@ -734,7 +744,7 @@ class RlmCollector(Collector):
         yield state
         yield from status_gauges.values()
         yield from (restarts, failures, checkpoint_step, checkpoint_age, exit_code)
-        yield from (logs_updated, unreadable)
+        yield from (event_times, logs_updated, unreadable)
         yield from goodput_series.families(snapshots)
 
     def _filesystem_metrics(self) -> Iterator[Metric]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from clusterspec import vendors
 from clusterspec.variables import default
+from rlmctl.charts import Chart, Threshold, render
 from runcontract.rundir import RunDir
 from runcontract.states import EventKind
 
@@ -500,28 +501,38 @@ def prom_range(
     return [(float(t) - start, float(v)) for t, v in result[0]["values"]] if result else []
 
 
-# The report's Prometheus plots: file name -> (y label, query).
-PROMETHEUS_PLOTS = {
-    "gpu-utilisation.svg": ("GPU utilisation %", "100 * avg(rlm_gpu_utilization_ratio)"),
-    "network-share.svg": (
+# The report's Prometheus charts: name -> (y label, query, threshold key and its words).
+PROMETHEUS_CHARTS = {
+    "gpu-utilisation": (
+        "GPU utilisation %", "100 * avg(rlm_gpu_utilization_ratio)",
+        "gpu_util_min_pct", "go-live minimum",
+    ),
+    "network-share": (
         "network share of link %",
         "100 * max(rate(rlm_network_transmit_bytes_total[1m]) / rlm_network_speed_bytes)",
+        "network_max_pct", "go-live maximum",
     ),
-}
+}  # fmt: skip
 
 
-def prometheus_plots(url: str | PrometheusAPI | None, start: float, end: float) -> dict[str, str]:
-    """GPU utilisation and network share over the run, where Prometheus has them."""
-    out: dict[str, str] = {}
+def prometheus_charts(
+    url: str | PrometheusAPI | None, start: float, end: float, t: dict[str, Any]
+) -> list[Chart]:
+    """GPU utilisation and network share over the run, where Prometheus has them, each with its
+    threshold."""
+    out: list[Chart] = []
     if not url:
         return out
-    for name, (label, query) in PROMETHEUS_PLOTS.items():
+    for name, (label, query, key, words) in PROMETHEUS_CHARTS.items():
         try:
             points = prom_range(url, query, start, end)
         except PrometheusError:
             return out
         if points:
-            out[name] = svg_plot({label: points}, "seconds since the run started", label)
+            limit = [Threshold(float(t[key]), f"{words} {t[key]:g}%")]
+            out.append(
+                Chart(name, label, "seconds since the run started", label, {label: points}, limit)
+            )
     return out
 
 
@@ -686,81 +697,79 @@ def evaluate(
 
 
 # -- the report --------------------------------------------------------------------------------
-def svg_plot(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str) -> str:
-    """A small line plot as SVG (no plotting library on the controller)."""
-    width, height, pad = 560, 300, 50
-    points = [p for values in series.values() for p in values]
-    if not points:
-        return ""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
-
-    def sx(x: float) -> float:
-        return pad + (x - x0) / (x1 - x0) * (width - 2 * pad)
-
-    def sy(y: float) -> float:
-        return height - pad - (y - y0) / (y1 - y0) * (height - 2 * pad)
-
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf"]
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        'font-family="sans-serif" font-size="11">',
-        f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>',
-        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>',
-        f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">{xlabel}</text>',
-        f'<text x="12" y="{height / 2}" transform="rotate(-90 12 {height / 2})" '
-        f'text-anchor="middle">{ylabel}</text>',
-        f'<text x="{pad}" y="{height - pad + 14}">{x0:g}</text>',
-        f'<text x="{width - pad}" y="{height - pad + 14}" text-anchor="end">{x1:g}</text>',
-        f'<text x="{pad - 4}" y="{height - pad}" text-anchor="end">{y0:.3g}</text>',
-        f'<text x="{pad - 4}" y="{pad + 4}" text-anchor="end">{y1:.3g}</text>',
-    ]
-    for index, (label, values) in enumerate(series.items()):
-        color = colors[index % len(colors)]
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{path}"/>')
-        parts.append(
-            f'<text x="{width - pad + 4}" y="{pad + 14 * index}" fill="{color}">{label}</text>'
-        )
-    parts.append("</svg>")
-    return "\n".join(parts)
+MAX_DEPTH_CURVES = 6  # lines on the perplexity-against-depth chart, first and last pass included
 
 
-def plots(run_dir: RunDir) -> dict[str, str]:
-    """File name -> SVG of the report's plots from the run directory."""
-    data = RunData.load(run_dir)
+def depth_curves(data: RunData) -> dict[str, list[tuple[float, float]]]:
+    """Validation perplexity against depth, one curve per checkpoint (the validation passes at a
+    checkpoint's step; every pass where none coincide), oldest first: whether extra depth pays
+    more as training goes on."""
+    passes = {
+        int(r["step"]): {float(d): float(v) for d, v in ppl.items() if _number(v) is not None}
+        for r in data.val
+        if isinstance(r.get("step"), int) and isinstance(ppl := r.get("perplexity"), dict)
+    }
+    passes = {step: curve for step, curve in passes.items() if len(curve) >= 2}
+    saved = {e.get("step") for e in data.events if e.get("event") == EventKind.CHECKPOINT}
+    steps = sorted(passes.keys() & saved)
+    if len(steps) < 2:
+        steps = sorted(passes)
+    if len(steps) > MAX_DEPTH_CURVES:
+        last = len(steps) - 1
+        picks = {round(i * last / (MAX_DEPTH_CURVES - 1)) for i in range(MAX_DEPTH_CURVES)}
+        steps = [steps[i] for i in sorted(picks)]
     out = {}
+    for step in steps:
+        curve = sorted(passes[step].items())
+        gain = curve[0][1] / curve[-1][1] if curve[-1][1] else math.inf
+        out[f"step {step} (ppl d{curve[0][0]:g}/d{curve[-1][0]:g} = {gain:.2f})"] = curve
+    return out
+
+
+def charts(run_dir: RunDir, criteria: list[Criterion]) -> list[Chart]:
+    """The report's charts from the run directory; a criterion's limit is its chart's threshold."""
+    data = RunData.load(run_dir)
+    limits = {c.name: c.limit for c in criteria if c.limit is not None}
     loss = [(r["tokens"], v) for r in data.train if (v := _number(r.get("loss"))) is not None]
     tflops = [(r["step"], v) for r in data.train if (v := _number(r.get("tflops"))) is not None]
     by_depth: dict[str, list[tuple[float, float]]] = {}
-    tokens_at = {r["step"]: r.get("tokens", r["step"]) for r in data.train}
+    tokens_at = {r["step"]: t for r in data.train if (t := _number(r.get("tokens"))) is not None}
+    # A validation pass without a train record of its step (metrics.jsonl cut short): its tokens
+    # from the run's tokens per step, never its step number on a token axis.
+    last = [(r["step"], t) for r in data.train if r.get("step") and (t := _number(r.get("tokens")))]
+    per_step = last[-1][1] / last[-1][0] if last else 0.0
     for record in data.val:
-        for depth, ppl in (record.get("perplexity") or {}).items():
-            if _number(ppl) is not None:
-                by_depth.setdefault(f"depth {depth}", []).append(
-                    (tokens_at.get(record["step"], record["step"]), ppl)
-                )
-    if loss:
-        out["loss.svg"] = svg_plot({"train loss": loss}, "tokens", "loss")
-    if by_depth:
-        out["val-perplexity.svg"] = svg_plot(by_depth, "tokens", "validation perplexity")
-        last = data.val[-1].get("perplexity") or {}
-        depth_curve = sorted((float(d), float(v)) for d, v in last.items() if _number(v))
-        out["perplexity-by-depth.svg"] = svg_plot({"last pass": depth_curve}, "depth", "perplexity")
-    if tflops:
-        out["tflops.svg"] = svg_plot({"TFLOPS per GPU": tflops}, "step", "TFLOP/s")
-    return {name: svg for name, svg in out.items() if svg}
+        step = record["step"]
+        for depth, ppl in sorted((record.get("perplexity") or {}).items(), key=lambda i: int(i[0])):
+            if _number(ppl) is not None and (tokens := tokens_at.get(step, step * per_step)):
+                by_depth.setdefault(f"depth {depth}", []).append((tokens, ppl))
+    tflops_limit = limits.get("TFLOPS per GPU")
+    out = [
+        Chart("loss", "training loss", "tokens", "loss", {"train loss": loss}),
+        Chart(
+            "val-perplexity", "validation perplexity per recurrence depth", "tokens",
+            "validation perplexity", by_depth,
+        ),
+        Chart(
+            "perplexity-by-depth", "validation perplexity against depth, one line per checkpoint",
+            "recurrence depth (test time)", "validation perplexity", depth_curves(data),
+            log2_x=True, ramp=True,
+        ),
+        Chart(
+            "tflops", "model TFLOP/s per GPU", "step", "TFLOP/s", {"TFLOP/s per GPU": tflops},
+            [Threshold(tflops_limit, f"go-live minimum {tflops_limit:g}")]
+            if tflops_limit is not None
+            else [],
+        ),
+    ]  # fmt: skip
+    return [chart for chart in out if not chart.empty]
 
 
-def write_report(verdict: Verdict, run_dir: RunDir, extra_plots: dict[str, str]) -> Path:
-    """<run_dir>/acceptance.md with the table and the plots (SVG files in acceptance/)."""
+def write_report(verdict: Verdict, run_dir: RunDir, extra_charts: list[Chart]) -> Path:
+    """<run_dir>/acceptance.md with the table and the charts (PNG or SVG files in acceptance/)."""
     directory = run_dir.path / PLOTS_DIR
     directory.mkdir(exist_ok=True)
-    drawn = plots(run_dir) | extra_plots
-    for name, svg in drawn.items():
-        (directory / name).write_text(svg, encoding="utf-8")
+    drawn = [render(chart, directory) for chart in charts(run_dir, verdict.criteria) + extra_charts]
     lines = [
         f"# Go-live acceptance: {verdict.run}",
         "",
@@ -776,12 +785,12 @@ def write_report(verdict: Verdict, run_dir: RunDir, extra_plots: dict[str, str])
         cells = [c.name, c.threshold, c.measured, c.verdict, c.source, c.reason]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     lines.append("")
-    for name in drawn:
-        lines += [f"![{name}]({PLOTS_DIR}/{name})", ""]
+    for path in drawn:
+        lines += [f"![{path.stem}]({PLOTS_DIR}/{path.name})", ""]
     path = run_dir.path / REPORT_NAME
     path.write_text("\n".join(lines), encoding="utf-8")
     verdict.report = str(path)
-    verdict.plots = [str(directory / name) for name in drawn]
+    verdict.plots = [str(p) for p in drawn]
     return path
 
 
@@ -807,5 +816,5 @@ def run(
     verdict = evaluate(name, run_dir, limits, prometheus_url, report, source)
     events = RunData.load(run_dir).events
     started = events[0]["time"] if events else time.time() - 3600
-    write_report(verdict, run_dir, prometheus_plots(prometheus_url, started, time.time()))
+    write_report(verdict, run_dir, prometheus_charts(prometheus_url, started, time.time(), limits))
     return verdict

@@ -7,6 +7,8 @@ import hidden in a function is still an arrow, and a cycle hidden that way is st
 from __future__ import annotations
 
 import ast
+import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +216,92 @@ def test_no_run_state_or_event_kind_is_a_string_literal() -> None:
                     if isinstance(operand, ast.Constant) and operand.value in kinds:
                         found.append(f"{relative}:{node.lineno}: {operand.value!r}")
     assert found == []
+
+
+# -- every directly imported package is declared, on the side that imports it ------------------
+# trainer/hub/ is the remote code `trainer export` writes beside a model: transformers imports it
+# there (the dev extra has transformers for the tests that load exports), the trainer never does.
+NOT_IMPORTED_BY_US = ("trainer/hub/",)
+# Imported where installed, with a fallback without it: rlmctl/charts.py draws SVG itself.
+OPTIONAL = {"matplotlib"}
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared() -> dict[str, set[str]]:
+    """Distribution names per install: "" (the base), then each extra."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    groups = {"": project["dependencies"], **project["optional-dependencies"]}
+    return {
+        group: {normalized(re.match(r"[A-Za-z0-9._-]+", r)[0]) for r in requirements}  # type: ignore[index]
+        for group, requirements in groups.items()
+    }
+
+
+def third_party(names: set[str]) -> set[str]:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    return {n.split(".")[0] for n in names if not in_tree(n) and n.split(".")[0] not in stdlib}
+
+
+@functools.cache
+def distributions(module: str) -> frozenset[str]:
+    """The installed distributions that provide a top-level module (`yaml` -> pyyaml)."""
+    import importlib.metadata
+
+    found = importlib.metadata.packages_distributions().get(module, [])
+    return frozenset(normalized(d) for d in found)
+
+
+def closure(edges: dict[str, set[str]], start: str) -> set[str]:
+    """Every in-tree module `start` reaches through its imports, itself included."""
+    seen, todo = {start}, [start]
+    while todo:
+        for target in edges.get(todo.pop(), ()):
+            if target in edges and target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def undeclared(modules: set[str], allowed: set[str], edges: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{name} imports {package}"
+        for name in modules
+        for package in third_party(edges[name])
+        if package not in OPTIONAL and not distributions(package) & allowed
+    )
+
+
+def test_every_directly_imported_package_is_declared() -> None:
+    """Once rich (rlmctl's tables) was imported and installed only as typer's dependency."""
+    edges = graph()
+    groups = declared()
+    ours = {
+        name
+        for name, path in modules().items()
+        if not path.relative_to(REPO).as_posix().startswith(NOT_IMPORTED_BY_US)
+    }
+    everything = groups[""] | groups["controller"] | groups["train"]
+    assert undeclared(ours, everything, edges) == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "installs"),
+    [
+        ("monitoring.exporter", ("",)),  # an exporter-only host: `pip install rlm-ops`
+        ("rlmctl.cli", ("", "controller")),
+        ("monitoring.credentials", ("", "controller")),  # run on the controller by the roles
+        ("monitoring.file_sd", ("", "controller")),
+        ("trainer.cli", ("", "train")),
+    ],
+)
+def test_each_entry_point_imports_only_its_installs_packages(
+    entry: str, installs: tuple[str, ...]
+) -> None:
+    edges = graph()
+    groups = declared()
+    allowed = set().union(*(groups[g] for g in installs))
+    assert undeclared(closure(edges, entry), allowed, edges) == []

@@ -63,6 +63,11 @@ def dashboard_queries() -> list[str]:
     ]
 
 
+def annotation_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [a["expr"] for a in dashboard["annotations"]["list"]]
+
+
 def as_plain_promql(expr: str) -> str:
     """A dashboard query with Grafana's variables replaced by what they expand to."""
     return (
@@ -194,8 +199,8 @@ def test_amtool_check_config() -> None:
 
 
 def test_dashboard_queries_parse(tmp_path: Path) -> None:
-    queries = dashboard_queries()
-    assert len(queries) >= 20
+    queries = dashboard_queries() + annotation_queries()
+    assert len(queries) >= 24
     # promtool has no "check expression": every query becomes a recording rule it parses.
     as_rules = {
         "groups": [
@@ -221,6 +226,39 @@ def test_dashboard_uses_only_defined_recording_rules_and_shows_the_run_and_clust
     for expected in ("Loss", "Tokens/s", "MFU", "Checkpoint age", "Recurrence depth"):
         assert expected in titles
     assert "Validation perplexity per recurrence depth" in titles
+
+
+# A query over a series per GPU (or per interface) draws one line each: 32,768 at 4096 nodes x 8.
+PER_DEVICE = re.compile(r"rlm:gpu_|rlm_gpu_|network_|rdma_")
+BOUNDED = re.compile(r"(topk|bottomk)\(\d+, |(quantile|count_values)\(|(min|max)\(|max by \(run\) ")
+
+
+def test_per_gpu_panels_draw_a_bounded_number_of_series() -> None:
+    unbounded = [q for q in dashboard_queries() if PER_DEVICE.search(q) and not BOUNDED.match(q)]
+    assert unbounded == []
+    dashboard = json.loads(DASHBOARD.read_text())
+    heatmaps = [p for p in dashboard["panels"] if p["type"] == "heatmap"]
+    assert {t["expr"].split("(")[0] for p in heatmaps for t in p["targets"]} == {"count_values"}
+
+
+def test_annotations_mark_launches_restarts_checkpoints_and_failures() -> None:
+    """From the series the exporter writes from events.jsonl (test_exporter.py shows them)."""
+    annotations = json.loads(DASHBOARD.read_text())["annotations"]["list"]
+    assert [a["name"] for a in annotations] == ["Launches", "Restarts", "Checkpoints", "Failures"]
+    kinds = {
+        a["name"]: set(m[0].split("|"))
+        if (m := re.findall(r'event=~"([a-z_|]+)"', a["expr"]))
+        else set()
+        for a in annotations
+    }
+    assert kinds["Launches"] == {"launched"} and kinds["Checkpoints"] == {"checkpoint"}
+    assert {"failure", "launch_failed", "checkpoint_failed"} <= kinds["Failures"]
+    from runcontract.states import EventKind
+
+    assert set().union(*kinds.values()) <= {k.value for k in EventKind}
+    assert "rlm_run_restarts_total" in annotations[1]["expr"]
+    for annotation in annotations:
+        assert annotation["enable"] and '{run=~"$run"' in annotation["expr"], annotation["name"]
 
 
 def test_trainer_metric_names_match_the_architecture_contract() -> None:

@@ -23,7 +23,7 @@ from tests.monitoring.conftest import (
     value,
     wait_for,
 )
-from tests.monitoring.test_config import dashboard_queries, rules
+from tests.monitoring.test_config import annotation_queries, dashboard_queries, rules
 from trainer.rundir import RunDir, write_json_atomic, write_manifest
 
 GPU_SERIES = "rlm_gpu_temperature_celsius"
@@ -153,6 +153,7 @@ def test_scrape_reports_gpus_runs_processes_filesystem_and_network(
 
         # Every exporter series the rules and the dashboard use exists under that exact name.
         expressions = [rule["expr"] for rule in rules()] + dashboard_queries()
+        expressions += annotation_queries()
         used = {n for e in expressions for n in re.findall(r"rlm_(?!train_)[a-z_]*[a-z]", e)}
         if not any(exporter.link_speed_bytes(device) for device in os.listdir("/sys/class/net")):
             used.discard("rlm_network_speed_bytes")  # no interface here reports a link speed
@@ -497,3 +498,28 @@ def test_bad_arguments_are_one_line_errors(argv, capsys) -> None:
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_event_times_for_the_dashboards_annotations(tmp_path: Path) -> None:
+    """rlm_run_event_timestamp_seconds: the newest event of each kind in events.jsonl, read by
+    the dashboard's Launches, Checkpoints and Failures annotations."""
+    run = RunDir(tmp_path / "runs" / "run-e").create()
+    run.append_event("launched")
+    first = run.append_event("checkpoint", step=10)
+    last = run.append_event("checkpoint", step=20)
+    failed = run.append_event("failure", reason="exit 1")
+    write_json_atomic(run.status_path, {"state": "running", "step": 20, "updated": time.time()})
+    once = subprocess.run(
+        [sys.executable, "-m", "monitoring.exporter", "--once", "--gpu-source", "none",
+         "--run-root", str(tmp_path / "runs")],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    found = {
+        m[0]: float(m[1])
+        for m in re.findall(
+            r'rlm_run_event_timestamp_seconds\{event="([a-z_]+)",run="run-e"\} (\S+)', once.stdout
+        )
+    }
+    assert set(found) == {"launched", "checkpoint", "failure"}, once.stdout
+    assert found["checkpoint"] == pytest.approx(last.time) and last.time >= first.time
+    assert found["failure"] == pytest.approx(failed.time)

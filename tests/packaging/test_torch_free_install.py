@@ -1,7 +1,13 @@
-"""`pip install rlm-ops` (no extras) into a fresh venv: rlmctl and rlm-exporter work there, and
-torch is neither installed nor ever imported. `rlmctl launch` validates a config with the
-trainer's own parser (runcontract.config), `plan` sizes a preset and `slurm` renders a batch
-script on such a controller.
+"""`pip install rlm-ops` (no extras) into a fresh venv is an exporter-only host: rlm-exporter runs
+there with only its own dependencies installed (no Ansible, no Fabric, no torch). The same venv
+with `[controller]` added is a torch-free controller: rlmctl works there, and torch is neither
+installed nor ever imported. `rlmctl launch` validates a config with the trainer's own parser
+(runcontract.config), `plan` sizes a preset, `slurm` renders a batch script and the acceptance
+charts are SVG (no matplotlib) on such a controller.
+
+The controller's install is added to the exporter's venv (one venv, one base install): the
+exporter-only tests come first in this file, which pytest keeps (also under `--dist loadfile`),
+and they check that no controller package is there yet.
 
 A stand-in `torch` package on PYTHONPATH records every attempt to import it (and fails it), so a
 lazy import hidden behind a caught ImportError is caught too.
@@ -33,19 +39,39 @@ def source_copy(dest: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module")
-def plain_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("plain")
-    venv.EnvBuilder(with_pip=True).create(root / "venv")
-    source = source_copy(tmp_path_factory.mktemp("source"))
+def pip_install(root: Path, spec: str) -> None:
     subprocess.run(
-        [str(root / "venv/bin/pip"), "install", "--quiet", str(source)],
+        [str(root / "venv/bin/pip"), "install", "--quiet", spec],
         check=True,
         capture_output=True,
         cwd=root,
         timeout=900,
     )
+
+
+@pytest.fixture(scope="module")
+def exporter_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("plain")
+    venv.EnvBuilder(with_pip=True).create(root / "venv")
+    source = source_copy(tmp_path_factory.mktemp("source"))
+    (root / "source").symlink_to(source)
+    pip_install(root, str(source))
     return root
+
+
+@pytest.fixture(scope="module")
+def plain_install(exporter_install: Path) -> Path:
+    """The exporter's venv with `[controller]` added: a controller without `[train]`."""
+    pip_install(exporter_install, f"{exporter_install / 'source'}[controller]")
+    return exporter_install
+
+
+def installed(root: Path) -> set[str]:
+    out = subprocess.run(
+        [str(root / "venv/bin/pip"), "list", "--format=json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return {p["name"].lower().replace("_", "-") for p in json.loads(out.stdout)}
 
 
 def run_without_torch(root: Path, *argv: str) -> subprocess.CompletedProcess:
@@ -73,11 +99,47 @@ def run_without_torch(root: Path, *argv: str) -> subprocess.CompletedProcess:
     return result
 
 
+CONTROLLER_ONLY = {"ansible-core", "fabric", "paramiko", "typer", "rich", "bcrypt", "jinja2"}
+
+
+def test_an_exporter_only_install_has_only_the_exporters_packages(exporter_install: Path) -> None:
+    packages = installed(exporter_install)
+    assert not packages & CONTROLLER_ONLY, "the controller's install was added before this test"
+    assert packages - {"pip", "setuptools"} == {
+        "rlm-ops", "prometheus-client", "psutil", "pyyaml"
+    }  # fmt: skip
+
+
+def test_exporter_once_without_torch(exporter_install: Path) -> None:
+    assert not installed(exporter_install) & CONTROLLER_ONLY, "runs before [controller] is added"
+    runs = exporter_install / "runs"
+    (runs / "run-a").mkdir(parents=True, exist_ok=True)
+    (runs / "run-a" / "status.json").write_text(
+        json.dumps({"state": "running", "step": 7, "updated": 1.0}), encoding="utf-8"
+    )
+    result = run_without_torch(
+        exporter_install, "rlm-exporter", "--once", "--gpu-source", "none", "--run-root", str(runs)
+    )
+    assert result.returncode == 0, result.stderr
+    assert 'rlm_run_step{run="run-a"} 7.0' in result.stdout
+
+
 def test_torch_is_not_installed(plain_install: Path) -> None:
     python = plain_install / "venv/bin/python"
     code = "import importlib.util as u; print(u.find_spec('torch') is None, u.find_spec('numpy') is None)"
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]
+
+
+def test_the_acceptance_charts_are_svg_without_matplotlib(plain_install: Path) -> None:
+    code = (
+        "import pathlib, sys; from rlmctl import charts\n"
+        "chart = charts.Chart('c', 't', 'x', 'y', {'s': [(0, 1), (1, 2)]}, [charts.Threshold(1.5, 'l')])\n"
+        "print(charts.render(chart, pathlib.Path(sys.argv[1])).name)\n"
+    )
+    result = run_without_torch(plain_install, "python", "-c", code, str(plain_install))
+    assert result.returncode == 0 and result.stdout.strip() == "c.svg", result.stderr
+    assert 'class="threshold"' in (plain_install / "c.svg").read_text(encoding="utf-8")
 
 
 def test_rlmctl_help_and_health_without_torch(plain_install: Path) -> None:
@@ -96,19 +158,6 @@ def test_rlmctl_help_and_health_without_torch(plain_install: Path) -> None:
     assert run_without_torch(plain_install, "rlmctl", "-i", str(inventory), "runs").returncode == 0
     plan = run_without_torch(plain_install, "rlmctl", "plan", "--params", "3.5e9")
     assert plan.returncode == 0 and "GPU" in plan.stdout
-
-
-def test_exporter_once_without_torch(plain_install: Path) -> None:
-    runs = plain_install / "runs"
-    (runs / "run-a").mkdir(parents=True, exist_ok=True)
-    (runs / "run-a" / "status.json").write_text(
-        json.dumps({"state": "running", "step": 7, "updated": 1.0}), encoding="utf-8"
-    )
-    result = run_without_torch(
-        plain_install, "rlm-exporter", "--once", "--gpu-source", "none", "--run-root", str(runs)
-    )
-    assert result.returncode == 0, result.stderr
-    assert 'rlm_run_step{run="run-a"} 7.0' in result.stdout
 
 
 def test_launch_plan_and_slurm_without_torch(plain_install: Path) -> None:

@@ -221,10 +221,12 @@ def test_a_query_without_series_is_no_data(prometheus: str) -> None:
 
 def test_report_plots_utilisation_and_network_from_prometheus(prometheus: str) -> None:
     _wait_for_data(prometheus)
-    drawn = accept.prometheus_plots(prometheus, time.time() - 120, time.time())
-    assert set(drawn) == {"gpu-utilisation.svg", "network-share.svg"}
-    assert all(svg.startswith("<svg") and "polyline" in svg for svg in drawn.values())
-    assert accept.prometheus_plots(None, 0, 1) == {}
+    limits = accept.thresholds(None)
+    drawn = accept.prometheus_charts(prometheus, time.time() - 120, time.time(), limits)
+    assert [c.name for c in drawn] == ["gpu-utilisation", "network-share"]
+    assert all(len(next(iter(c.series.values()))) >= 2 for c in drawn)
+    assert [c.thresholds[0].value for c in drawn] == [80, 70]  # the go-live limits, drawn
+    assert accept.prometheus_charts(None, 0, 1, limits) == []
 
 
 def test_accept_reads_the_exporters_on_the_rig_hosts(servers: Servers) -> None:
