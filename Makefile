@@ -49,11 +49,12 @@ lint: venv
 	$(BIN)/ansible-lint --offline --profile production playbooks roles
 	$(BIN)/mypy
 
-# The fast lane for daily work: lint, types and every test that needs neither the rig nor
+# The fast lane for daily work: lint, types and the unit tests: none that needs the rig or
 # ansible-playbook (tests/conftest.py marks those; RLM_TEST_LANE=check refuses a playbook run
-# that escaped the marker). No system packages needed beyond what the venv brings.
+# that escaped the marker), none marked `integration` (whole multi-process runs, tens of seconds
+# each). No system packages needed beyond what the venv brings.
 check: lint
-	RLM_TEST_LANE=check $(BIN)/pytest -n 2 -m "not rig and not playbook" $(PYTEST_ARGS)
+	RLM_TEST_LANE=check $(BIN)/pytest -n 2 -m "not rig and not playbook and not integration" $(PYTEST_ARGS)
 
 # Two workers, a test file at a time each: the rig modules wait on daemons much of the time
 # (tests/conftest.py). The 25 slowest phases are printed at the end, where CI logs keep them.

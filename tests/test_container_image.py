@@ -79,6 +79,7 @@ def image(wheelhouse: Path) -> container.TrainerImage:
     return first
 
 
+@pytest.mark.integration
 def test_the_image_trains_two_steps_offline(image: container.TrainerImage, tmp_path: Path) -> None:
     run = subprocess.run(
         [*container.run_argv("--volume", f"{tmp_path}:/work"), image.ref, "sh", "-c",

@@ -126,7 +126,10 @@ def test_every_vendor_names_its_slurm_gres_device_files() -> None:
         "amd": {"prefix": "/dev/dri/renderD", "first": 128},
     }
     defaults = (REPO / "roles/slurm/defaults/main.yml").read_text(encoding="utf-8")
-    assert "slurm_gres_files: \"{{ lookup('rlm.ops.rlm_vendor', attribute='gres_files') }}\"" in defaults
+    assert (
+        "slurm_gres_files: \"{{ lookup('rlm.ops.rlm_vendor', attribute='gres_files') }}\""
+        in defaults
+    )
 
 
 # Where a vendor may be named: its description, its role, documentation and tests (bench/ runs

@@ -32,6 +32,7 @@ def bundle_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.integration
 def test_bundle_only_wheelhouse_has_a_verified_manifest(bundle_only: Path) -> None:
     manifest = json.loads((bundle_only / spec.MANIFEST).read_text())
     [wheel] = manifest["wheels"]

@@ -124,6 +124,7 @@ def test_exporter_once_without_torch(exporter_install: Path) -> None:
     assert 'rlm_run_step{run="run-a"} 7.0' in result.stdout
 
 
+@pytest.mark.integration
 def test_torch_is_not_installed(plain_install: Path) -> None:
     python = plain_install / "venv/bin/python"
     code = "import importlib.util as u; print(u.find_spec('torch') is None, u.find_spec('numpy') is None)"
@@ -160,6 +161,7 @@ def test_rlmctl_help_and_health_without_torch(plain_install: Path) -> None:
     assert plan.returncode == 0 and "GPU" in plan.stdout
 
 
+@pytest.mark.integration
 def test_launch_plan_and_slurm_without_torch(plain_install: Path) -> None:
     """Once `launch` and `plan --model` imported the trainer's config (and with it torch) and
     failed on a controller without `[train]`."""

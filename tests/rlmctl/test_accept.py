@@ -240,6 +240,7 @@ def test_pruned_checkpoints_are_judged_by_the_kept_ones_and_the_config(tmp_path:
     assert result.verdict == accept.FAIL and "gap 10000 > 5000" in result.reason
 
 
+@pytest.mark.integration
 def test_cli_accept_exit_codes_json_and_bad_input(local_inventory: Path) -> None:
     """The command as an operator runs it: a table or --json, exit 1 on a FAIL, one-line errors."""
     shared = local_inventory.parent / "shared"
@@ -290,6 +291,7 @@ def test_cli_accept_on_a_binary_garbage_metrics_file_is_one_line(local_inventory
     assert_one_line_error(result, 2, str(run_dir.metrics_path), "line 1")
 
 
+@pytest.mark.integration
 def test_a_plain_health_run_keeps_the_deep_record(local_inventory: Path) -> None:
     """Reported: `rlmctl health` after `health --deep` replaced the one record accept reads, and
     the communication path became NO DATA. The deep record is kept apart."""

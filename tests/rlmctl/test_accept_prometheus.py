@@ -188,6 +188,7 @@ def _wait_for_data(url: str) -> None:
     raise AssertionError(f"no data from {url}: {[c.reason for c in criteria]}")
 
 
+@pytest.mark.integration
 def test_accept_reads_a_real_prometheus(prometheus: str) -> None:
     _wait_for_data(prometheus)
     criteria = accept.prometheus_criteria(prometheus, "r", 60, accept.thresholds(None), False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rlmctl import deep
 from tests.rlmctl.conftest import rlmctl
 from trainer.allreduce import bus_bandwidth
@@ -44,6 +46,7 @@ def test_bus_bandwidth_formula() -> None:
     assert bus_bandwidth(8 * 10**9, 1.0, 8) == 8.0 * 2 * 7 / 8
 
 
+@pytest.mark.integration
 def test_deep_health_runs_a_real_all_reduce(local_inventory: Path) -> None:
     result = rlmctl("-i", str(local_inventory), "health", "--deep", "--json", timeout=300)
     assert result.returncode in (0, 1), result.stderr

@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from runcontract.rundir import RunDir, read_json
 from runcontract.states import EventKind, RunState
 from tests.rlmctl.conftest import REPO, rlmctl, wait_for
@@ -44,6 +46,7 @@ def exit_record(run: RunDir) -> dict:
     return wait_for(lambda: read_json(run.exit_record_path("localhost")), 120, "the exit record")
 
 
+@pytest.mark.integration
 def test_a_data_error_is_3_through_torchrun_and_watch_does_not_restart_it(
     local_inventory: Path,
 ) -> None:
@@ -59,6 +62,7 @@ def test_a_data_error_is_3_through_torchrun_and_watch_does_not_restart_it(
     assert [e.kind for e in run.events()].count(EventKind.LAUNCHED) == 1  # never relaunched
 
 
+@pytest.mark.integration
 def test_a_clean_stop_is_0_end_to_end(local_inventory: Path) -> None:
     run = launch(local_inventory, "clean-stop", "stop")
     wait_for(lambda: run.status().state is RunState.RUNNING, 120, "the stand-in to start")

@@ -65,6 +65,7 @@ def train_records(run: RunDir) -> list[dict]:
     return [r for r in run.read_metrics() if r.get("kind") == "train"]
 
 
+@pytest.mark.integration
 def test_a_killed_worker_restarted_by_watch_is_accounted_and_sets_the_interval(
     tmp_path: Path, data: Path
 ) -> None:

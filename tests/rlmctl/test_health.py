@@ -47,6 +47,7 @@ def test_local_host_passes_the_gate(local_inventory: Path) -> None:
     assert not list((local_inventory.parent / "shared" / ".rlmctl").iterdir())  # marker removed
 
 
+@pytest.mark.integration
 def test_cli_health_json_exit_codes(local_inventory: Path) -> None:
     result = rlmctl("-i", str(local_inventory), "health", "--json")
     assert result.returncode == 0, result.stderr

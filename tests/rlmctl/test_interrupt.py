@@ -67,6 +67,7 @@ def registry_of(local_inventory: Path) -> Registry:
     return Registry(local_inventory.parent / "shared" / "runs" / "registry.sqlite")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "step",
     [s for s in LaunchStep if s is not LaunchStep.DONE],
@@ -87,6 +88,7 @@ def test_an_interrupted_launch_leaves_the_name_free(
             index.run("ctrlc")
 
 
+@pytest.mark.integration
 def test_a_launch_interrupted_after_its_trainer_started_stays_resumable(
     local_inventory: Path, data: Path
 ) -> None:

@@ -242,6 +242,7 @@ def test_launch_dry_run_prints_what_launch_starts(tmp_path: Path) -> None:
     assert rendezvous.sub("", started) in rendezvous.sub("", line)
 
 
+@pytest.mark.integration
 def test_rlmctl_slurm_prints_the_script_launch_submits(tmp_path: Path) -> None:
     """`rlmctl slurm` and `rlmctl launch` under rlm_scheduler: slurm render one script: the file
     launch writes and submits is byte for byte what `rlmctl slurm` printed for the same options.

@@ -52,6 +52,7 @@ def test_plan_cli() -> None:
     assert_one_line_error(rlmctl("plan"), 2, "--params")
 
 
+@pytest.mark.integration
 def test_slurm_script_renders_and_parses(local_inventory: Path) -> None:
     host = load(local_inventory).select()[0]
     config = REPO / "trainer/configs/tiny.yaml"

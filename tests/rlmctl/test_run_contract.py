@@ -56,6 +56,7 @@ def snapshot(*paths: Path) -> dict[str, bytes]:
     return files
 
 
+@pytest.mark.integration
 def test_read_commands_never_write(local_inventory: Path) -> None:
     run = finished_run(local_inventory, "readonly")
     registry_file = run.path.parent / "registry.sqlite"

@@ -20,6 +20,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, t
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("extra", "code", "text"),
     [
@@ -36,6 +37,7 @@ def test_bad_input_is_one_line_and_an_exit_code(
     assert not run_dir.exists()  # rejected before any work started
 
 
+@pytest.mark.integration
 def test_missing_data_is_a_data_error(tmp_path: Path) -> None:
     result = run_cli(
         "train", "--config", str(TINY), *overrides(tmp_path / "absent", tmp_path / "run")
@@ -43,6 +45,7 @@ def test_missing_data_is_a_data_error(tmp_path: Path) -> None:
     assert_one_line_error(result, ExitCode.DATA_ERROR, "does not exist")
 
 
+@pytest.mark.integration
 def test_checkpoints_table_is_torch_free(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run").create()
     good = run.checkpoint_path(10)
@@ -66,6 +69,7 @@ def test_checkpoints_table_is_torch_free(tmp_path: Path) -> None:
     assert any(line.split()[:2] == ["20", "NO"] and "partial" in line for line in lines)
 
 
+@pytest.mark.integration
 def test_console_script_and_usage_errors() -> None:
     script = Path(sys.executable).with_name("rlm-train")
     result = subprocess.run(

@@ -57,6 +57,7 @@ def train_records(run_dir: Path) -> list[dict]:
     return [r for r in RunDir(run_dir).read_metrics() if r["kind"] == "train"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_slow_peer_shows_as_communication_time_and_is_exported(
     prepared_data: Path, tmp_path: Path, strategy: str
@@ -96,6 +97,7 @@ def test_a_slow_peer_shows_as_communication_time_and_is_exported(
     assert exported["rlm_run_step_duration_seconds"] == pytest.approx(status["step_time"])
 
 
+@pytest.mark.integration
 def test_one_rank_has_no_communication_time(prepared_data: Path, tmp_path: Path) -> None:
     assert train(tiny_config(prepared_data, tmp_path / "one", "train.steps=2")) == ExitCode.OK
     assert {r["comm_time"] for r in train_records(tmp_path / "one")} == {0.0}

@@ -74,6 +74,7 @@ def decode(path: Path, ids: np.ndarray) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_prepare_is_byte_identical_across_runs_and_processes(tmp_path: Path) -> None:
     first = prepare(tmp_path / "a", seq_len=32, vocab_size=1024, zstd=True)
     # A fresh interpreter with another hash seed: BPE ties must not depend on hash order.
@@ -261,6 +262,7 @@ def test_an_existing_tokenizer_is_reused(prepared_data: Path, tmp_path: Path) ->
     assert trained["fingerprint"] != meta["fingerprint"]
 
 
+@pytest.mark.integration
 def test_vocabularies_over_65536_use_uint32_shards(tmp_path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 

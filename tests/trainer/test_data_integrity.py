@@ -40,6 +40,7 @@ def assert_data_error(result, shard: Path) -> None:
     assert shard.name in errors[0] and "prepare" in errors[0]
 
 
+@pytest.mark.integration
 def test_random_bytes_of_the_same_size_are_a_data_error(own_copy: Path, tmp_path: Path) -> None:
     shard = first_shard(own_copy)
     replace_with_random_bytes(shard)
@@ -47,6 +48,7 @@ def test_random_bytes_of_the_same_size_are_a_data_error(own_copy: Path, tmp_path
     assert_data_error(result, shard)
 
 
+@pytest.mark.integration
 def test_full_verification_catches_another_valid_shard(own_copy: Path, tmp_path: Path) -> None:
     metadata = json.loads((own_copy / METADATA_NAME).read_text())
     val = own_copy / metadata["splits"]["val"]["shards"][0]["name"]
@@ -62,6 +64,7 @@ def test_full_verification_catches_another_valid_shard(own_copy: Path, tmp_path:
     TokenDataset(own_copy, "train")  # sizes alone still match: the cheap check passes
 
 
+@pytest.mark.integration
 def test_prepare_check_verifies_every_shard(own_copy: Path) -> None:
     ok = run_cli("prepare", "--out", str(own_copy), "--check")
     assert ok.returncode == 0, ok.stderr

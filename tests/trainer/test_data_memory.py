@@ -71,6 +71,7 @@ def peak_rss_growth(data: Path, cache_bytes: int) -> int:
     return int(result.stdout.split()[-1])
 
 
+@pytest.mark.integration
 def test_rss_under_a_global_shuffle_stays_under_the_cache_bound(zstd_split: Path) -> None:
     # The bound: the cache, one frame being decompressed, and allocator slack.
     bound = CACHE_BYTES + (8 << 20)

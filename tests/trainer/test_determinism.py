@@ -34,6 +34,7 @@ def test_depth_per_step_or_per_micro_batch(prepared_data: Path, tmp_path: Path) 
     assert any(len(set(d)) > 1 for d in draws), draws
 
 
+@pytest.mark.integration
 def test_a_run_with_depth_per_micro_batch_and_deterministic_kernels(
     prepared_data: Path, tmp_path: Path, restore_determinism: None
 ) -> None:

@@ -27,6 +27,7 @@ def train_records(run_dir: Path) -> list[dict]:
     return [r for r in RunDir(run_dir).read_metrics() if r["kind"] == "train"]
 
 
+@pytest.mark.integration
 def test_two_ranks_give_the_same_parameters_as_one(prepared_data: Path, tmp_path: Path) -> None:
     # Same global batch (8 samples) split 1×(2×4) vs 2×(1×4): the math must not notice.
     extra = ("train.steps=3", "comm.compression=none")
@@ -45,6 +46,7 @@ def test_two_ranks_give_the_same_parameters_as_one(prepared_data: Path, tmp_path
     assert {r["comm_bytes"] for r in train_records(tmp_path / "two")} == {4 * n_params}
 
 
+@pytest.mark.integration
 def test_bf16_compression_halves_the_bytes_and_still_learns(
     prepared_data: Path, tmp_path: Path
 ) -> None:
@@ -114,6 +116,7 @@ def test_device_type_and_backend_come_from_the_one_vendor_lookup() -> None:
     assert not found, "use trainer.distributed.accelerator() instead:\n" + "\n".join(found)
 
 
+@pytest.mark.integration
 def test_two_rank_workers_exit_when_the_run_is_done(prepared_data: Path, tmp_path: Path) -> None:
     """Found by `make demo`: a run recorded `done` while one gloo worker never exited (DDP's
     Reducer freed as the process group's last owner joins gloo's threads with the GIL held).

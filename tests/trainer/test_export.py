@@ -101,6 +101,7 @@ def test_sharded_export_with_index_imports_to_identical_logits(
     assert torch.equal(logits(load_exported(out), ids), logits(original, ids))
 
 
+@pytest.mark.integration
 def test_import_hf_makes_a_checkpoint_that_trains_and_generates(
     checkpoint: tuple[Path, RecurrentLM], tmp_path: Path, prepared_data: Path
 ) -> None:
@@ -162,6 +163,7 @@ def test_import_rejects_what_it_does_not_know_in_one_line(
     assert not (tmp_path / "run").exists(), "nothing is written for a config it cannot read"
 
 
+@pytest.mark.integration
 def test_import_refusal_is_one_line_from_the_cli(
     checkpoint: tuple[Path, RecurrentLM], tmp_path: Path
 ) -> None:
@@ -238,6 +240,7 @@ def test_import_accepts_what_the_ecosystem_writes(
     assert torch.equal(logits(load_any(imported)[0], ids), logits(original, ids))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_checkpoint_hub_checkpoint_round_trip_is_bit_identical(
     tmp_path: Path, prepared_data: Path, fmt: str
@@ -336,6 +339,7 @@ def test_logits_match_an_independent_float64_implementation_of_the_paper() -> No
     assert np.abs(want).max() > 0.1  # not trivially small
 
 
+@pytest.mark.integration
 def test_generate_from_checkpoint_and_export_agree(
     checkpoint: tuple[Path, RecurrentLM], tmp_path: Path
 ) -> None:
@@ -371,6 +375,7 @@ def test_export_refuses_a_non_empty_target_and_a_damaged_checkpoint(
         generate_text(tmp_path, "x", depth=1)
 
 
+@pytest.mark.integration
 def test_generate_with_an_empty_tokenizer_is_one_line(
     checkpoint: tuple[Path, RecurrentLM], tmp_path: Path
 ) -> None:

@@ -37,6 +37,7 @@ def events(run: RunDir, kind: str) -> list[dict]:
     return [e for e in run.read_events() if e["event"] == kind]
 
 
+@pytest.mark.integration
 def test_nonfinite_streak_rolls_back_and_skips_the_bad_data(
     prepared_data: Path, tmp_path: Path
 ) -> None:
@@ -84,6 +85,7 @@ def test_nonfinite_streak_rolls_back_and_skips_the_bad_data(
     assert status["state"] == "done" and status["exit_code"] == 0 and status["step"] == 8
 
 
+@pytest.mark.integration
 def test_two_ranks_roll_back_together(prepared_data: Path, tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
     args = overrides(
@@ -154,6 +156,7 @@ def test_nonfinite_streak_stops_with_exit_4(
     assert all(c.valid for c in run.checkpoints())
 
 
+@pytest.mark.integration
 def test_a_peer_that_hangs_at_startup_fails_the_job_fast(
     prepared_data: Path, tmp_path: Path
 ) -> None:
@@ -181,6 +184,7 @@ def test_a_peer_that_hangs_at_startup_fails_the_job_fast(
     assert elapsed < 90, f"{elapsed:.0f} s: the stalled peer was not detected fast"
 
 
+@pytest.mark.integration
 def test_sigterm_during_setup_exits_cleanly_before_the_first_step(
     prepared_data: Path, tmp_path: Path
 ) -> None:

@@ -85,6 +85,7 @@ def checkpoint(tmp_path: Path, prepared_data: Path) -> Path:
     return run.checkpoint_path(1)
 
 
+@pytest.mark.integration
 def test_generate_cli_reports_the_mean_depth(checkpoint: Path) -> None:
     args = ["generate", str(checkpoint), "--prompt", "The module", "--depth", "4"]
     result = run_cli(*args, "--max-new-tokens", "5", "--exit-threshold", "1e9")
@@ -93,6 +94,7 @@ def test_generate_cli_reports_the_mean_depth(checkpoint: Path) -> None:
     assert run_cli(*args, "--exit-threshold", "-1").stderr.startswith("error: ")
 
 
+@pytest.mark.integration
 def test_evaluate_reports_perplexity_per_depth_as_json_with_a_plot(
     checkpoint: Path, tmp_path: Path
 ) -> None:

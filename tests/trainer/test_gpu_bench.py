@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.trainer.training_runs import REPO, cli_env
 
 
@@ -26,6 +28,7 @@ def rehearse(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], 
     return result, results
 
 
+@pytest.mark.integration
 def test_the_rehearsal_runs_every_gpu_run_and_one_failure_loses_nothing(tmp_path: Path) -> None:
     # The 1b run trains, then fails at its last save (no disk is that large): it keeps its
     # figures, the others run and keep theirs.

@@ -70,6 +70,7 @@ def averaged(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {r: json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("compression", "factor"), SETTINGS)
 def test_comm_hook_averages_over_two_ranks(averaged: dict, compression: str, factor: float) -> None:
     # The reference: the mean of the two ranks' gradients, computed in fp32 in this process.
@@ -91,6 +92,7 @@ def test_comm_hook_averages_over_two_ranks(averaged: dict, compression: str, fac
     assert averaged[0][key]["grads"] == averaged[1][key]["grads"], "ranks must agree exactly"
 
 
+@pytest.mark.integration
 def test_fp16_overflow_is_skipped_and_counted_on_both_ranks(
     prepared_data: Path, tmp_path: Path
 ) -> None:

@@ -270,6 +270,7 @@ def test_complex_rope_equals_the_real_formula_with_gradients(dtype: torch.dtype)
     torch.testing.assert_close(grad.to(torch.float64), grad_ref.to(torch.float64), **tol)
 
 
+@pytest.mark.integration
 def test_compiled_rope_real_formula_equals_the_eager_complex_one() -> None:
     cos, sin = rope_cache(head_dim=16, seq_len=12, base=10000.0)
     x = torch.randn(2, 12, 2, 4, 16, generator=torch.Generator().manual_seed(0))

@@ -60,6 +60,7 @@ def one_process(prepared_data: Path, tmp_path_factory: pytest.TempPathFactory) -
 LAYOUTS = {"ddp": [], "fsdp": [], "hsdp": ["parallel.replicas=2"]}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("strategy", list(LAYOUTS))
 def test_two_ranks_match_one_process_within_reduction_noise(
     prepared_data: Path, tmp_path: Path, one_process: dict, strategy: str
@@ -89,6 +90,7 @@ def test_two_ranks_match_one_process_within_reduction_noise(
         assert all(r["comm_bytes"] > 0 for r in records), records[0]
 
 
+@pytest.mark.integration
 def test_hsdp_with_two_shard_groups_of_two_ranks_matches_one_process(
     prepared_data: Path, tmp_path: Path, one_process: dict
 ) -> None:
@@ -205,6 +207,7 @@ def memory_runs(
     return {s: (memory_of_ranks(prepared_data, base / s, s), base / s) for s in ("ddp", "fsdp")}
 
 
+@pytest.mark.integration
 def test_fsdp_holds_about_half_the_memory_of_ddp_per_rank_at_two_ranks(
     memory_runs: dict[str, tuple[list[dict[str, int]], Path]],
 ) -> None:
@@ -218,6 +221,7 @@ def test_fsdp_holds_about_half_the_memory_of_ddp_per_rank_at_two_ranks(
         assert f["peak"] < d["peak"], (f, d)
 
 
+@pytest.mark.integration
 def test_a_full_checkpoint_resumes_under_fsdp_without_a_rank_holding_all_of_it(
     prepared_data: Path, memory_runs: dict[str, tuple[list[dict[str, int]], Path]]
 ) -> None:

@@ -69,6 +69,7 @@ def verdict(results: dict, name: str) -> dict:
     return cell
 
 
+@pytest.mark.integration
 def test_reference_trains(matrix: tuple[Path, dict]) -> None:
     out, results = matrix
     assert verdict(results, "reference")["exit_codes"] == [0]
@@ -77,6 +78,7 @@ def test_reference_trains(matrix: tuple[Path, dict]) -> None:
     assert losses[-1] < losses[0] - 0.1, losses  # it learns: a cell's step moves the loss
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cell", CELLS, ids=[cell.name for cell in CELLS])
 def test_cell_trains_resumes_exactly_and_agrees_with_fp32_ddp(
     matrix: tuple[Path, dict], cell: Cell

@@ -89,6 +89,7 @@ def reference(prepared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return losses(run_dir)
 
 
+@pytest.mark.integration
 def test_sigterm_saves_and_resume_continues_bit_for_bit(
     prepared_data: Path, tmp_path: Path, reference: dict[int, Any]
 ) -> None:
@@ -119,6 +120,7 @@ def test_sigterm_saves_and_resume_continues_bit_for_bit(
     assert [e["event"] for e in run.read_events()].count("start") == 2
 
 
+@pytest.mark.integration
 def test_elastic_resume_from_two_ranks_to_one(
     prepared_data: Path, tmp_path: Path, reference: dict[int, Any]
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.trainer.faults import Faults, faults_env
@@ -20,6 +21,7 @@ def ledger_steps(run_dir: Path, rank: int) -> list[int]:
     return [r["step"] for r in read_jsonl(run_dir / f"ledger-rank{rank}.jsonl")]
 
 
+@pytest.mark.integration
 def test_read_error_on_rank_1_makes_both_ranks_fall_back_together(
     prepared_data: Path, tmp_path: Path
 ) -> None:

@@ -58,6 +58,7 @@ def test_a_misspelt_section_suggests_the_field(prepared_data: Path, tmp_path: Pa
     one_error_line(result, 2, "did you mean 'optim.weight_decay'")
 
 
+@pytest.mark.integration
 def test_a_second_trainer_on_a_live_run_is_refused(prepared_data: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     first = start_training(*overrides(prepared_data, run, "train.steps=100000"))
@@ -92,6 +93,7 @@ def refusals(run: RunDir) -> list[tuple[str, dict]]:
     return [(e.kind, e.fields) for e in run.events() if e.kind in ("start_refused", "exit")]
 
 
+@pytest.mark.integration
 def test_a_failed_resume_leaves_a_finished_run_as_it_was(
     prepared_data: Path, tmp_path: Path
 ) -> None:
@@ -149,6 +151,7 @@ def test_a_data_error_under_torchrun_is_exit_3_from_the_worker_and_one_refusal(
     assert [(k, f["exit_code"]) for k, f in refusals(run)] == [("start_refused", 3), ("exit", 3)]
 
 
+@pytest.mark.integration
 def test_no_usable_checkpoint_is_not_a_silent_restart(prepared_data: Path, tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
     assert train(prepared_data, run.path, "train.steps=3").returncode == 0

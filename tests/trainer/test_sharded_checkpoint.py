@@ -156,6 +156,7 @@ def test_async_sharded_save_writes_the_tensors_as_they_were_at_save(tmp_path: Pa
         assert torch.equal(tensor, saved[name]), name
 
 
+@pytest.mark.integration
 def test_resume_across_world_sizes_and_strategies(prepared_data: Path, tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     in_process(prepared_data, reference, "train.steps=10", *COMMON)
@@ -194,6 +195,7 @@ def test_resume_across_world_sizes_and_strategies(prepared_data: Path, tmp_path:
         assert math.isclose(loss, ref[step], rel_tol=1e-4), (step, loss, ref[step])
 
 
+@pytest.mark.integration
 def test_each_rank_reads_only_its_own_shards_at_resume(prepared_data: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     layout = ["parallel.strategy=fsdp", *SHARDED]
@@ -238,6 +240,7 @@ def test_each_rank_reads_only_its_own_shards_at_resume(prepared_data: Path, tmp_
     assert len(generation.tokens) == 4, generation
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
 def test_sigkill_of_one_rank_during_a_sharded_save_keeps_the_previous_checkpoint(
     prepared_data: Path, tmp_path: Path, async_save: bool

@@ -52,6 +52,7 @@ def no_trainer_traceback(stderr: str) -> None:
     assert "CheckpointException" not in stderr, stderr[-4000:]
 
 
+@pytest.mark.integration
 def test_damaged_or_unreadable_shards_make_every_rank_fall_back_together(
     prepared_data: Path, tmp_path: Path
 ) -> None:
@@ -108,6 +109,7 @@ def test_damaged_or_unreadable_shards_make_every_rank_fall_back_together(
     assert len(list(run.checkpoints_dir.glob(".invalid-step-00000004-*"))) == 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_says_so(
     prepared_data: Path, tmp_path: Path, async_save: bool
