@@ -340,9 +340,18 @@ def test_every_recording_rule_and_dashboard_query_returns_data(stack: Stack) -> 
         return [expr for expr in expressions if not stack.query(expr)]
 
     wait_for(lambda: not missing(), 300, lambda: f"no data for {missing()}")
-    gpu = stack.query('rlm:gpu_temperature_celsius{host="node2", gpu="3"}')
+    # One query each, retried: a scrape that times out on a loaded machine (1 s interval and
+    # timeout here) marks its series stale, and an instant query then returns nothing for them.
+    gpu = wait_for(
+        lambda: stack.query('rlm:gpu_temperature_celsius{host="node2", gpu="3"}'),
+        60,
+        "node2's GPU 3 in rlm:gpu_temperature_celsius",
+    )
     assert float(gpu[0]["value"][1]) == 95
-    assert float(stack.query(f'rlm:run_active{{run="{RUN}"}}')[0]["value"][1]) == 1
+    active = wait_for(
+        lambda: stack.query(f'rlm:run_active{{run="{RUN}"}}'), 60, f"rlm:run_active for {RUN}"
+    )
+    assert float(active[0]["value"][1]) == 1
 
 
 def test_a_drained_hosts_alerts_are_inhibited_and_never_delivered(stack: Stack) -> None:
