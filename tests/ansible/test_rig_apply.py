@@ -1,12 +1,15 @@
-"""site.yml applied for real to a private 3-host rig (node1 = mgmt), applied again with no change,
-then checked from inside the hosts: users and keys, sshd, limits, nftables (a blocked port really
-is blocked), the trainer venv, node_exporter, rlm-exporter, Prometheus and Alertmanager."""
+"""site.yml applied for real to a private 2-host rig without systemd (node1 = mgmt, node2 =
+compute), applied again with no change, then checked from inside the hosts: users and keys, sshd,
+limits, the trainer venv, the detached node_exporter, rlm-exporter, Prometheus and Alertmanager.
+
+Services here run detached (start-stop-daemon, no PID 1 systemd): the path containers take. The
+same site.yml on systemd nodes, the firewall's blocked and open ports among them, is
+tests/ansible/test_site_systemd.py."""
 
 from __future__ import annotations
 
 import base64
 import json
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,14 +20,13 @@ from tests.ansible.rig_site import (
     VENV,
     build_site_stack,
     build_wheelhouse,
-    connect,
-    connect_from_real_host,
     site_inventory,
 )
 from tests.conftest import rig_unavailable
 from tests.rig import Rig
 
-pytestmark = pytest.mark.rig
+# Two site.yml runs on 2 hosts: ~5 min on an idle 2-core machine, over 10 under heavy load.
+pytestmark = [pytest.mark.rig, pytest.mark.timeout(1800)]
 # make_rig hands out slots 1, 2, ... and the rig CLI tests use 9: this module keeps 8.
 SLOT = 8
 
@@ -36,7 +38,7 @@ def applied(
     if reason := rig_unavailable():
         pytest.skip(reason)
     work = tmp_path_factory.mktemp("rig-apply")
-    with Rig(3, slot=SLOT) as rig:
+    with Rig(2, slot=SLOT) as rig:
         wheelhouse = build_wheelhouse(work / "wheelhouse")
         stack = build_site_stack(rig.shared_dir)
         inventory = write_inventory(work / "hosts.yml", site_inventory(rig, wheelhouse, stack))
@@ -71,24 +73,6 @@ def test_service_user_keys_and_hardened_sshd(applied: tuple[Rig, PlaybookRun, Pl
     key = str(rig.ssh_key_path)
     login = rig.exec("node1", ["ssh", "-i", key, "-l", "rlm", "node2", "id", "-un"])
     assert login.stdout.strip() == "rlm"
-
-
-def test_exporter_ports_answer_only_the_mgmt_host(
-    applied: tuple[Rig, PlaybookRun, PlaybookRun],
-) -> None:
-    rig, _, _ = applied
-    for port in (9100, 9410):
-        assert connect(rig, "node1", "node2", port) == "open"
-        assert connect(rig, "node3", "node2", port) == "TimeoutError"
-    # Other ports stay open between cluster members (rendezvous, collectives) and closed to the
-    # real host, which is not in the inventory; SSH is open to everyone.
-    rig.exec("node2", "setsid /usr/bin/python3 -m http.server 29500 >/dev/null 2>&1 < /dev/null &")
-    deadline = time.monotonic() + 10
-    while connect(rig, "node3", "node2", 29500) != "open":
-        assert time.monotonic() < deadline, "listener on node2:29500 not reachable from node3"
-    node2 = rig.host("node2").ip
-    assert connect_from_real_host(node2, 29500) == "TimeoutError"
-    assert connect_from_real_host(node2, 22) == "open"
 
 
 def test_trainer_venv_has_torch_and_the_bundle(
@@ -133,8 +117,4 @@ def test_exporters_prometheus_and_alertmanager_answer(
     rules = json.loads(get("node1", f"http://{mgmt}:9090/api/v1/rules", login))
     assert rules["data"]["groups"], "Prometheus loaded no rule groups"
     targets = rig.host("node1").root / "etc/prometheus/rlm/targets/node.json"
-    assert {g["labels"]["host"] for g in json.loads(targets.read_text())} == {
-        "node1",
-        "node2",
-        "node3",
-    }
+    assert {g["labels"]["host"] for g in json.loads(targets.read_text())} == {"node1", "node2"}

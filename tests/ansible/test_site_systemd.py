@@ -1,17 +1,18 @@
-"""site.yml on bare systemd nodes, as a new user meets it: 1 mgmt + 2 compute nodes of Debian 12
-and of Debian 13 (tests/rig/booted.py), the example inventory's shape (vendor none, no Lustre).
+"""site.yml on bare systemd nodes, as a new user meets it: a mgmt node and two compute nodes of
+Debian 12, a mgmt node and a compute node of Debian 13 (tests/rig/booted.py), the example
+inventory's shape (vendor none, no Lustre).
 
 The nodes start with what the first runs on real nodes tripped over: no service user, no chrony, no
 nftables, no python3-packaging, and a cloud image's `50-cloud-init.conf` turning password login on.
 One rig for the module: check mode, first run, rerun, then checks (units, sshd, the sandboxed
 unprivileged rlm-exporter, the trainer and user slices and a trainer start in the slice, who
-reaches Prometheus and Alertmanager); the reboot test comes last.
+reaches the exporters, Prometheus and Alertmanager); the reboot test comes last.
 
 The air-gapped site (its own section below): preflight names what a node cannot fetch; verify.yml
 and `rlmctl health` give one verdict on the shared directory. With RLM_TEST_FULL_WHEELHOUSES=1,
-a third compute node of each release (node4, Debian 12; node8, Debian 13) installs torch, the
+one more compute node of each release (node4, Debian 12; node7, Debian 13) installs torch, the
 bundle and every dependency from full wheelhouses built by `rlmctl wheelhouse` for their Python (cp311: 262 MiB, cp313: 2.7 GB of
-PyPI's CUDA torch and its nvidia-* wheels), offline, and a short training runs on node8. That adds
+PyPI's CUDA torch and its nvidia-* wheels), offline, and a short training runs on node7. That adds
 about 20-25 min to the module on a fresh 2-core machine (two builds, the wheels copied to the nodes,
 torch installed twice), so `make test` leaves it out; `make test-wheelhouses` runs it.
 """
@@ -59,19 +60,21 @@ FULL_WHEELHOUSES = os.environ.get("RLM_TEST_FULL_WHEELHOUSES") == "1"
 needs_full_wheelhouses = pytest.mark.skipif(
     not FULL_WHEELHOUSES, reason="RLM_TEST_FULL_WHEELHOUSES=1 (make test-wheelhouses) runs it"
 )
-# The module's fixture runs site.yml three times on 6 nodes (8 with the full wheelhouses); with
+# The module's fixture runs site.yml three times on 5 nodes (7 with the full wheelhouses); with
 # the full wheelhouses it builds two of them (cached until the bundle changes) first.
 pytestmark = [pytest.mark.rig, pytest.mark.timeout(7200 if FULL_WHEELHOUSES else 3600)]
 SLOT = 6  # see docs/rig.md for the slots of each module
-# Per release a mgmt node and two compute nodes (the alerting tests need a quiet one beside the
-# one they break); the full wheelhouses add a third compute node per release for their installs.
-PER_RELEASE = 4 if FULL_WHEELHOUSES else 3
-RELEASES = ["bookworm"] * PER_RELEASE + ["trixie"] * PER_RELEASE
-MGMT = ("node1", f"node{PER_RELEASE + 1}")
+# Debian 12: a mgmt node and two compute nodes (the alerting tests need a quiet one beside the
+# one they break); Debian 13: a mgmt node and a compute node. The full wheelhouses add a compute
+# node per release for their installs. Each node costs every site.yml run its ~240 tasks.
+BOOKWORM_NODES = 4 if FULL_WHEELHOUSES else 3
+TRIXIE_NODES = 3 if FULL_WHEELHOUSES else 2
+RELEASES = ["bookworm"] * BOOKWORM_NODES + ["trixie"] * TRIXIE_NODES
+MGMT = ("node1", f"node{BOOKWORM_NODES + 1}")
 # The Debian 12 and Debian 13 nodes that install everything from the full wheelhouses (opt-in).
-BOOKWORM_OFFLINE, TRIXIE_OFFLINE = f"node{PER_RELEASE}", f"node{2 * PER_RELEASE}"
-# A Debian 13 compute node that none of them is: the preflight test breaks its sources.
-TRIXIE_SPARE = f"node{2 * PER_RELEASE - 1}"
+BOOKWORM_OFFLINE, TRIXIE_OFFLINE = f"node{BOOKWORM_NODES}", f"node{len(RELEASES)}"
+# The Debian 13 compute node that is not the offline one: the preflight test breaks its sources.
+TRIXIE_SPARE = f"node{BOOKWORM_NODES + 2}"
 PASSWORD = "Rig-password-1"  # of a throwaway account on throwaway nodes
 CLOUD_INIT_SSHD = "/etc/ssh/sshd_config.d/50-cloud-init.conf"
 EVERY_NODE_UNITS = ("ssh", "nftables", "prometheus-node-exporter", "rlm-exporter")
@@ -320,7 +323,7 @@ def test_rlmctl_starts_the_trainer_in_its_own_unit_of_the_slice(site: Site) -> N
     run_dir = rig.shared_dir / "runs" / "slice-probe"
     run_dir.mkdir(parents=True, exist_ok=True)
     inventory = load_inventory(site.inventory)
-    for host in (rig.hosts[1], rig.hosts[5]):  # a compute node of each release
+    for host in (rig.host("node2"), rig.host(TRIXIE_SPARE)):  # a compute node of each release
         ident = {"run_dir": str(run_dir), "host": host.name}
         # What `rlmctl launch` sends, with a worker in a session of its own (as torchrun's
         # are) instead of the trainer.
@@ -371,6 +374,27 @@ def test_prometheus_and_alertmanager_answer_only_mgmt_and_admin_sources(site: Si
             # A compute node is dropped (no answer at all), as every other source would be.
             from_compute = connect(rig, compute.name, mgmt.ip, port)
             assert from_compute == "TimeoutError", (compute.name, port, from_compute)
+
+
+def test_exporter_ports_answer_only_mgmt_and_other_ports_only_cluster_members(site: Site) -> None:
+    """node_exporter and rlm-exporter answer the mgmt node and drop another compute node; a port
+    the trainer uses (rendezvous, collectives) is open between cluster members and closed to the
+    real host, which is not in the inventory; SSH is open to everyone."""
+    assert site.first.rc == 0
+    rig = site.rig
+    node2 = rig.host("node2").ip
+    for port in (9100, 9410):
+        assert connect(rig, "node1", node2, port) == "open", port
+        assert connect(rig, "node3", node2, port) == "TimeoutError", port
+    rig.exec("node2", "setsid /usr/bin/python3 -m http.server 29500 >/dev/null 2>&1 < /dev/null &")
+    try:
+        deadline = time.monotonic() + 10
+        while connect(rig, "node3", node2, 29500) != "open":
+            assert time.monotonic() < deadline, "listener on node2:29500 not reachable from node3"
+        assert connect_from_real_host(node2, 29500) == "TimeoutError"
+        assert connect_from_real_host(node2, 22) == "open"
+    finally:
+        rig.exec("node2", "pkill -f 'http.server 29500'", check=False)
 
 
 # ------------------------------------------------------------------------------------------------
