@@ -427,8 +427,8 @@ try:
 except (ImportError, BindingError, OSError) as error:
     print(f"{{node}}: ranks not pinned: {{error}}", file=sys.stderr, flush=True)
     argv = [*torchrun, *trainer[1:]]
-signalled = False
-child = subprocess.Popen(argv)
+signalled = forwarded = False
+child = None
 
 
 def children(pid):
@@ -445,8 +445,11 @@ def children(pid):
 
 
 def forward(signum, frame):
-    global signalled
+    global signalled, forwarded
     signalled = True
+    if child is None:  # torchrun is starting: passed on once it has a pid (below)
+        return
+    forwarded = True
     for pid in children(child.pid) or [child.pid]:  # the trainers, once torchrun started them
         try:
             os.kill(pid, signum)
@@ -454,7 +457,11 @@ def forward(signum, frame):
             pass
 
 
+# The handler before the child: a SIGTERM in between would end this wrapper with no record.
 signal.signal(signal.SIGTERM, forward)
+child = subprocess.Popen(argv)
+if signalled and not forwarded:
+    forward(signal.SIGTERM, None)
 code = child.wait()
 code = 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell says
 run = RunDir(env["RUN_DIR"])
