@@ -6,8 +6,14 @@ through Slurm (`rlm_scheduler: slurm`: sbatch, the Prolog gate, srun, one torchr
 once started over SSH on the same two nodes (`rlm_scheduler: ssh`: rlmctl's health gate, then
 torchrun in a transient unit per host). The time runs from the moment `rlmctl launch` is
 started to the wall-clock time of the first `train` record in metrics.jsonl (rank 0 writes it
-after step 1). Prints both, each of REPEATS launches, and the ratio; asserts nothing. Needs root
-(the rig); uses RLM_RIG_ID (default 0), slot 9.
+after step 1). Prints both, each of REPEATS launches, and the ratio.
+
+Then, under Slurm with `rlmctl watch`: the trainer SIGKILLed on one node of a 2-node job (once it
+has a checkpoint), and the time from the kill to the first step the resubmitted job trains, in
+parts: detect (to watch's `failure` event), resubmit (to the resume's `launched` event, written
+before its sbatch), queue (to the new job's start in sacct: scheduling and the Prolog gate) and
+start-up (to its first train record: srun, torchrun's rendezvous, the checkpoint loaded).
+Asserts nothing. Needs root (the rig); uses RLM_RIG_ID (default 0), slot 9.
 
     RLM_RIG_ID=7 .venv/bin/python bench/launch.py   (as root)
 """
@@ -27,6 +33,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/launch.py` puts only bench/ on the path
 
+from runcontract.states import EventKind  # noqa: E402
 from tests.ansible.playbook_run import run_playbook, write_inventory  # noqa: E402
 from tests.rig import Rig  # noqa: E402
 from tests.slurm import slurm_rig  # noqa: E402
@@ -72,6 +79,75 @@ def first_step_seconds(inventory: Path, run_dir: Path, name: str, limit: list[st
     return seconds
 
 
+def controller_seconds(rig: Rig, when: str) -> float:
+    """A time sacct printed (the controller's local time) as seconds since the epoch."""
+    return float(rig.exec("node1", f"date -d '{when}' +%s").stdout)
+
+
+def kill_to_training_again(rig: Rig, inventory: Path, runs: Path, name: str) -> dict[str, float]:
+    """The kill-to-training-again time under Slurm and its parts (the module's docstring)."""
+    overrides = [*TINY, "train.steps=100000", "checkpoint.interval_steps=5"]
+    argv = ["launch", "--config", CONFIG, "--name", name, "--nodes", "2"]
+    launched = rlmctl(inventory, *argv, *overrides)
+    if launched.returncode != 0:
+        raise SystemExit(f"launch {name} failed: {launched.stderr.strip()}")
+    watch = ["watch", name, "--poll", "1", "--backoff", "1", "--stall", "300"]
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "rlmctl", "-i", str(inventory), *watch],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    run = RunDir(runs / name)
+    try:
+        deadline = time.monotonic() + 600
+        while run.latest_valid_checkpoint() is None:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"run {name}: no checkpoint within 600 s")
+            time.sleep(0.5)  # polling the run directory, not a synchronisation
+        job = json.loads((run.path / "slurm.json").read_text())["job_id"]
+        nodelist = rig.exec("node1", f"squeue --noheader --jobs {job} --format=%N").stdout
+        nodes = rig.exec("node1", f"scontrol show hostnames {nodelist.strip()}").stdout.split()
+        rig.exec(nodes[-1], "pkill -KILL -f '[t]rainer train'")
+        killed = time.time()  # the nodes share the host's clock
+        parts: dict[str, float] = {}
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            events = [e for e in run.events() if e.time >= killed]
+            failure = next((e for e in events if e.kind == EventKind.FAILURE), None)
+            resumed = next((e for e in events if e.kind == EventKind.LAUNCHED), None)
+            train = [
+                r
+                for r in run.read_metrics()
+                if r.get("kind") == "train" and resumed and float(r["time"]) > resumed.time
+            ]
+            if failure and resumed and train:
+                again = json.loads((run.path / "slurm.json").read_text())["job_id"]
+                start = rig.exec(
+                    "node1", f"sacct --noheader --parsable2 --allocations --jobs {again} -o Start"
+                ).stdout.strip()
+                running = controller_seconds(rig, start)
+                first = float(train[0]["time"])
+                parts = {
+                    "detect": failure.time - killed,
+                    "resubmit": resumed.time - failure.time,
+                    "queue": running - resumed.time,
+                    "start-up": first - running,
+                    "total": first - killed,
+                }
+                break
+            time.sleep(0.5)  # polling the run directory, not a synchronisation
+        else:
+            raise SystemExit(f"run {name}: not training again within 900 s of the kill")
+    finally:
+        watcher.terminate()
+        watcher.wait(timeout=60)
+    stopped = rlmctl(inventory, "stop", name, "--timeout", "60")
+    if stopped.returncode != 0:
+        raise SystemExit(f"stop {name} failed: {stopped.stdout}{stopped.stderr}")
+    return parts
+
+
 def main() -> None:
     os.environ.setdefault("RLM_RIG_ID", "0")
     work = Path(os.environ.get("RLM_BENCH_WORK", "/tmp/rlm-bench-launch"))
@@ -96,6 +172,7 @@ def main() -> None:
             figures["slurm"].append(first_step_seconds(slurm, runs, f"bench-slurm-{i}", []))
             limit = ["--limit", "node2,node3"]
             figures["ssh"].append(first_step_seconds(ssh, runs, f"bench-ssh-{i}", limit))
+        again = kill_to_training_again(rig, slurm, runs, "bench-slurm-kill")
         load = os.getloadavg()[0]
     for path, values in figures.items():
         shown = ", ".join(f"{v:.1f}" for v in values)
@@ -104,7 +181,10 @@ def main() -> None:
         )
     ratio = statistics.median(figures["slurm"]) / statistics.median(figures["ssh"])
     print(f"ratio slurm/ssh: {ratio:.2f} (2 rig nodes, 1 CPU worker each; load {load:.1f})")
-    print(json.dumps({"slurm_s": figures["slurm"], "ssh_s": figures["ssh"], "ratio": ratio}))
+    shown = ", ".join(f"{part} {seconds:.1f} s" for part, seconds in again.items())
+    print(f"slurm: kill -> training again: {shown}")
+    summary = {"slurm_s": figures["slurm"], "ssh_s": figures["ssh"], "ratio": ratio}
+    print(json.dumps({**summary, "kill_to_training_again_s": again}))
 
 
 if __name__ == "__main__":

@@ -3,14 +3,20 @@
 Slurm allocates the nodes, starts one torchrun per node (the batch script of rlmctl.slurm), signals
 and requeues; rlmctl only submits, asks `squeue`/`sacct` and reads the run directory. Slurm's
 commands run on the submit host: the first host of the `mgmt` group (the controller, which has
-the Slurm client and munge), over the same SSH as everything else. `sbatch --test-only` judges a
-job before anything is written, so what Slurm refuses leaves nothing behind.
+the Slurm client and munge), over the same SSH as everything else but logged in as the site's
+service account (`rlm_service_user`), never as root: a job runs as whoever submitted it, on every
+node. The run directory is handed to that user before a job is submitted. `sbatch --test-only`
+judges a job before anything is written, so what Slurm refuses leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
+import os
+import pwd
 import shlex
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +50,19 @@ ENDED = frozenset(
     }
 )
 UNAVAILABLE = "Requested node configuration is not available"
+# What sbatch --test-only says when a job asks for more nodes than it can get, whether the
+# partition is too small or some of its nodes are out: the node count is not in the message.
+NODE_COUNT_REFUSALS = (UNAVAILABLE, "Node count specification invalid")
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """One node of a partition as `sinfo --Node` lists it."""
+
+    name: str
+    state: str  # idle, allocated, down*, drained, ...
+    reason: str
+    partition: str  # without sinfo's `*` for the default one
 
 
 class SlurmRefused(RlmctlError):
@@ -125,6 +144,25 @@ def _no_client(result: Result) -> SlurmRefused | None:
     )
 
 
+def _not_run(result: Result, user: str) -> SlurmRefused | None:
+    """The command never ran on the submit host (no connection, or the service user's login was
+    refused): name the user rlmctl logs in as, since a root login works where that one fails."""
+    if result.rc is not None or not result.error or result.error.startswith("timed out"):
+        return None
+    return SlurmRefused(
+        f"cannot run Slurm's commands on {result.host} as {user} (rlm_service_user, who submits "
+        f"the jobs): {result.error}; site.yml --tags users_ssh creates {user} with the operators' "
+        "keys"
+    )
+
+
+ROOT_REFUSED = (
+    "rlm_service_user is root: rlmctl never submits Slurm jobs as root (a job runs as its "
+    "submitter on every node); set rlm_service_user to the site's service account (users_ssh "
+    "creates it, with the operators' keys)"
+)
+
+
 def munge_fix(nodes: list[str]) -> str:
     names = ",".join(nodes)
     return (
@@ -163,6 +201,8 @@ class Backend:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+        self._owner: tuple[int, int] | None = None
+        self._hold_refused: set[str] = set()  # jobs whose requeue hold Slurm would not lift
 
     # Slurm's commands -------------------------------------------------------------------------
     @property
@@ -176,11 +216,84 @@ class Backend:
             )
         return inventory.hosts[names[0]]
 
+    def submitter(self) -> Host:
+        """The submit host as Slurm's commands reach it: over SSH logged in as rlm_service_user
+        (users_ssh gives it the operators' keys) whatever user the inventory logs in as; on a
+        local submit host (rlmctl on the controller) as whoever runs rlmctl, or, for root,
+        rlm_service_user (`submit_command`). Never root."""
+        host = self.submit_host
+        if host.service_user == "root":
+            raise RlmctlError(ROOT_REFUSED)
+        if host.is_local:
+            return host
+        # ssh keeps the first value it reads: this User wins over the inventory's.
+        login = ("-o", f"User={host.service_user}")
+        return dataclasses.replace(host, user=host.service_user, ssh_args=login + host.ssh_args)
+
+    def submit_command(self, host: Host, command: str) -> str:
+        """`command` as the submitter runs it: as is over SSH (the login is the service user)
+        and for a local non-root rlmctl (an operator submits as themselves); through runuser
+        for a local root."""
+        if not host.is_local or os.geteuid() != 0:
+            return command
+        user = host.service_user
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            raise RlmctlError(
+                f"rlm_service_user {user} does not exist on {host.name}, where rlmctl (run as "
+                f"root) submits Slurm jobs as {user}: create it (site.yml --tags users_ssh) or "
+                "set rlm_service_user to an existing non-root user"
+            ) from None
+        runuser = shutil.which("runuser", path="/usr/sbin:/sbin:/usr/bin:/bin") or "runuser"
+        return shlex.join([runuser, "-u", user, "--", "/bin/sh", "-c", command])
+
+    def on_submit_host(self, command: str) -> Result:
+        host = self.submitter()
+        return self.ctx.fleet.run(self.submit_command(host, command), hosts=[host])[0]
+
     def slurm(self, argv: list[str], what: str) -> Result:
-        result = self.ctx.fleet.run(shlex.join(argv), hosts=[self.submit_host])[0]
+        result = self.on_submit_host(shlex.join(argv))
         if not result.ok:
-            raise _no_client(result) or _slurm_error(result, what)
+            user = self.submit_host.service_user
+            raise _not_run(result, user) or _no_client(result) or _slurm_error(result, what)
         return result
+
+    def job_owner(self) -> tuple[int, int]:
+        """The uid and gid the jobs run as (the submitter's, asked on the submit host: the
+        service user need not exist where rlmctl runs), checked against who runs rlmctl: the
+        run directory must be theirs, and only root can give it away."""
+        if self._owner is None:
+            ids = self.slurm(["sh", "-c", "id -u; id -g"], "id failed").stdout.split()
+            uid, gid = int(ids[0]), int(ids[1])
+            if os.geteuid() not in (0, uid):
+                user = self.submit_host.service_user
+                raise RlmctlError(
+                    f"Slurm jobs run as {user} (uid {uid}, rlm_service_user) but rlmctl runs as "
+                    f"uid {os.geteuid()} and cannot give {user} the run directory: run rlmctl "
+                    f"as {user} or as root"
+                )
+            self._owner = (uid, gid)
+        return self._owner
+
+    def hand_over(self, run: RunDir, paths: list[Path] | None = None) -> None:
+        """The run directory and everything in it (or just `paths`) to the jobs' user, who
+        writes there (status, events, checkpoints, the job's output). What rlmctl appends to
+        later (events) keeps its owner; what it replaces (slurm.json) is handed over again."""
+        uid, gid = self.job_owner()
+        if (uid, gid) == (os.geteuid(), os.getegid()):
+            return
+        try:
+            for path in paths if paths is not None else [run.path, *run.path.rglob("*")]:
+                owned = path.lstat()
+                if (owned.st_uid, owned.st_gid) != (uid, gid):
+                    os.lchown(path, uid, gid)
+        except OSError as error:  # e.g. NFS with root_squash: root is nobody there
+            user = self.submit_host.service_user
+            raise RlmctlError(
+                f"cannot give {user} (uid {uid}) the run directory {run.path}: {error.strerror}; "
+                f"run rlmctl as {user}"
+            ) from None
 
     def job(self, job_id: str) -> Job:
         """squeue while Slurm holds the job (pending, running, requeued), else sacct."""
@@ -214,6 +327,8 @@ class Backend:
             raise RlmctlError(f"--nodes {nodes}: ask for at least one node")
         batch_script.time_limit_seconds(request.time_limit)  # a form Slurm refuses: one line
         batch_script.SiteOptions.of(hosts[0], request.site)  # bad site options: one line
+        if hosts[0].service_user == "root":  # one line before anything else (dry runs too)
+            raise RlmctlError(ROOT_REFUSED)
         if request.segments < 1:
             raise RlmctlError(f"--segments {request.segments}: ask for at least one segment")
         return Placement(
@@ -305,35 +420,61 @@ class Backend:
 
     def admit(self, run: RunDir, placement: Placement, attempt: Attempt, say: Say) -> Placement:
         """`sbatch --test-only`: Slurm judges partition, node count and credentials (the script
-        travels on stdin; no job is created). When the partition has nodes enough but not
-        enough of them up, the refusal names the nodes that are out and why."""
+        travels on stdin; no job is created). Slurm's refusal of a node count does not say why:
+        more nodes than the partition has is said so; when it has
+        nodes enough but not enough of them up, the refusal names the nodes that are out and
+        why. Then who will own the run directory (`job_owner`)."""
         payload = base64.b64encode(self.script(run, placement, attempt).encode()).decode()
-        command = f"echo {payload} | base64 -d | sbatch --test-only"
-        result = self.ctx.fleet.run(command, hosts=[self.submit_host])[0]
+        result = self.on_submit_host(f"echo {payload} | base64 -d | sbatch --test-only")
+        if not_run := _not_run(result, self.submit_host.service_user):
+            raise not_run
         if result.ok:
+            self.job_owner()  # a run directory rlmctl could not give the jobs' user: one line
             return placement
         if missing := _no_client(result):
             raise missing
         detail = _slurm_detail(result)
-        if UNAVAILABLE.lower() in detail.lower() and (
-            out := self.unavailable_nodes(placement.partition)
-        ):
-            raise SlurmRefused(f"Slurm refused the job: {detail}: {out}")
+        if any(words.lower() in detail.lower() for words in NODE_COUNT_REFUSALS):
+            rows = self.partition_nodes(placement.partition)
+            if too_few := self.too_few_nodes(rows, placement):
+                raise SlurmRefused(f"Slurm refused the job: {detail}: {too_few}")
+            if UNAVAILABLE.lower() in detail.lower() and (out := self.unavailable_nodes(rows)):
+                raise SlurmRefused(f"Slurm refused the job: {detail}: {out}")
         raise _slurm_error(result, "Slurm refused the job")
 
-    def unavailable_nodes(self, partition: str | None) -> str:
-        """The partition's nodes Slurm will not allocate (down, drained, failing), each with its
-        reason and, for a node that is down because its munge key differs, the fix; "" if none."""
+    def partition_nodes(self, partition: str | None) -> list[NodeRow]:
+        """The nodes of the job's partition (the default one without --partition), as sinfo
+        lists them: name, state, reason, partition."""
         argv = ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E|%P"]
         argv += [f"--partition={partition}"] if partition else []
-        rows = self.slurm(argv, "sinfo failed").stdout.splitlines()
+        rows = []
+        for row in self.slurm(argv, "sinfo failed").stdout.splitlines():
+            name, state, reason, part = ([*row.strip().split("|"), "", "", ""])[:4]
+            if not name or (not partition and not part.endswith("*")):
+                continue  # a job without --partition goes to the default one (sinfo marks it *)
+            rows.append(NodeRow(name, state, reason, part.rstrip("*")))
+        return rows
+
+    @staticmethod
+    def too_few_nodes(rows: list[NodeRow], placement: Placement) -> str:
+        """What to say when the job asks for more nodes than its partition has at all, whatever
+        their state: no node being down is the reason; "" if it has enough. Slurm says
+        "Requested node configuration is not available" either way."""
+        count = len({row.name for row in rows})  # sinfo --Node lists a node once per partition
+        if not count or placement.nodes <= count:
+            return ""
+        return (
+            f"partition {rows[0].partition} has only {count} nodes; ask for --nodes "
+            f"{count} or fewer, or another --partition (sinfo --summarize)"
+        )
+
+    def unavailable_nodes(self, rows: list[NodeRow]) -> str:
+        """The partition's nodes Slurm will not allocate (down, drained, failing), each with its
+        reason and, for a node that is down because its munge key differs, the fix; "" if none."""
         out = {}
         for row in rows:
-            name, state, reason, part = ([*row.strip().split("|"), "", "", ""])[:4]
-            if not partition and not part.endswith("*"):
-                continue  # a job without --partition goes to the default one (sinfo marks it *)
-            if state.rstrip("*~#!%$@^-+").startswith(("down", "drain", "fail")):
-                out[name] = f"{name} is {state} ({reason})"
+            if row.state.rstrip("*~#!%$@^-+").startswith(("down", "drain", "fail")):
+                out[row.name] = f"{row.name} is {row.state} ({row.reason})"
         if not out:
             return ""
         keys = self.munge_mismatches(sorted(out))
@@ -360,7 +501,7 @@ class Backend:
         hosts = [self.ctx.inventory.hosts[n] for n in names if n in self.ctx.inventory.hosts]
         if not hosts:
             return {}
-        made = self.ctx.fleet.run("munge --no-input", hosts=[self.submit_host])[0]
+        made = self.on_submit_host("munge --no-input")
         if not made.ok:
             return {}
         credential = shlex.quote(made.stdout.strip())
@@ -378,11 +519,15 @@ class Backend:
         stem = self.script_name(run, attempt).removesuffix(".sh")
         segments = placement.segments if attempt.kind == "launch" else 1
         chain: list[str] = []
+        paths = []
         for segment in range(1, segments + 1):
-            # A chain (launch --segments): segment k starts once k-1 has ended, whatever its end.
             path = run.path / (f"{stem}.sh" if segments == 1 else f"{stem}-seg{segment}.sh")
             path.write_text(self.script(run, placement, attempt, segment), encoding="utf-8")
             path.chmod(0o755)
+            paths.append(path)
+        self.hand_over(run)  # the job writes there from its first second
+        for path in paths:
+            # A chain (launch --segments): segment k starts once k-1 has ended, whatever its end.
             after = [f"--dependency=afterany:{chain[-1]}"] if chain else []
             try:
                 result = self.slurm(
@@ -405,6 +550,7 @@ class Backend:
         if len(chain) > 1:
             record["chain"] = chain
         write_json_atomic(run.path / JOB_FILE, record)
+        self.hand_over(run, [run.path / JOB_FILE])
         return Started(hosts=[], rdzv_id=job_id, job_id=job_id)
 
     def abandon(self, run: RunDir) -> bool:
@@ -464,9 +610,7 @@ class Backend:
         job_id = self.current(run).job_id if job_id_of(run) else None
         if not job_id:
             return
-        shown = self.ctx.fleet.run(
-            shlex.join(["scontrol", "--oneliner", "show", "job", job_id]), hosts=[self.submit_host]
-        )[0]
+        shown = self.on_submit_host(shlex.join(["scontrol", "--oneliner", "show", "job", job_id]))
         if not shown.ok:
             return  # gone from slurmctld's memory: sacct has it, and it will not requeue
         fields = dict(
@@ -490,9 +634,19 @@ class Backend:
         # first, and a job started at once is preempted again and ends FAILED (seen on the rig).
         preempted = bool(requeues) and "preempt" in str(requeues[-1].get("reason")).lower()
         if restarts > 0 and state == "PENDING" and reason == "BeginTime" and not preempted:
-            self.slurm(
-                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], "scontrol update failed"
-            )
+            if job_id in self._hold_refused:
+                return  # said once; Slurm starts it when the hold ends
+            try:
+                self.slurm(
+                    ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                    "scontrol update failed",
+                )
+            except SlurmRefused as error:
+                # Run as the job's owner (rlm_service_user), not an operator: a site's Slurm
+                # may refuse it. Waiting out the hold costs time, not the run.
+                self._hold_refused.add(job_id)
+                say(f"job {job_id} stays in Slurm's requeue hold until it ends ({error})")
+                return
             say(f"released job {job_id} from Slurm's requeue hold (StartTime=now)")
 
     def requeue_reason(self, job_id: str) -> str:
@@ -590,7 +744,7 @@ class Backend:
         try:
             argv = ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"]
             out = self.slurm(argv, "sinfo failed").stdout
-        except SlurmRefused as error:
+        except RlmctlError as error:  # Slurm's refusal, or no submitter (rlm_service_user)
             for host in report.hosts:
                 host.checks.append(Check("slurm", UNKNOWN, str(error)))
             return

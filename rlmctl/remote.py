@@ -114,13 +114,16 @@ class Fleet:
         self.forks = max(1, forks)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        self._connections: dict[str, Any] = {}
+        # Per host name and ssh arguments: one host may be reached as two users (rlmctl's Slurm
+        # commands log in to the controller as rlm_service_user, everything else as the
+        # inventory's user).
+        self._connections: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._lock = threading.Lock()
         self._fabric_config: Any = None
         self._resolver = Resolver()
         # Called with every result of every command (a progress display), besides run()'s own.
         self.on_result: Callable[[Result], None] | None = None
-        self._endpoints: dict[str, Endpoint] = {}
+        self._endpoints: dict[tuple[str, tuple[str, ...]], Endpoint] = {}
         self._gateways: dict[Endpoint, Any] = {}
         self._gateway_locks: dict[Endpoint, threading.Lock] = {}
 
@@ -201,20 +204,20 @@ class Fleet:
     def endpoint(self, host: Host) -> Endpoint:
         """Where SSH goes for `host`, as `ssh` resolves it for Ansible (rlmctl.sshconfig)."""
         with self._lock:
-            endpoint = self._endpoints.get(host.name)
+            endpoint = self._endpoints.get(_key(host))
             if endpoint is None:
                 endpoint = self._resolver.resolve(host.address, host.ssh_args)
-                self._endpoints[host.name] = endpoint
+                self._endpoints[_key(host)] = endpoint
         return endpoint
 
     def _connection(self, host: Host) -> Any:
         with self._lock:
-            connection = self._connections.get(host.name)
+            connection = self._connections.get(_key(host))
         if connection is not None:
             return connection
         connection = self._open(self.endpoint(host))
         with self._lock:
-            self._connections[host.name] = connection
+            self._connections[_key(host)] = connection
         return connection
 
     def _open(self, endpoint: Endpoint) -> Any:
@@ -315,7 +318,7 @@ class Fleet:
         except Exception:
             # Forget a broken connection so that the next command on this host reconnects.
             with self._lock:
-                self._connections.pop(host.name, None)
+                self._connections.pop(_key(host), None)
             raise
         return Result(
             host.name,
@@ -325,6 +328,10 @@ class Fleet:
             outcome.stdout,
             outcome.stderr,
         )
+
+
+def _key(host: Host) -> tuple[str, tuple[str, ...]]:
+    return (host.name, host.ssh_args)
 
 
 def _timed_out(host: Host, started: float, timeout: float, stdout: str, stderr: str) -> Result:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -51,6 +53,22 @@ def assert_one_line_error(result, exit_code: int, *fragments: str) -> None:
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+# rlmctl, run as root on a local controller, submits Slurm jobs as rlm_service_user through
+# runuser (never as root): the tests' stand-in controller uses `nobody`, which every Linux has.
+SUBMITTER = "nobody"
+
+
+@pytest.fixture
+def open_tmp_path() -> Iterator[Path]:
+    """A temporary directory every user may use, outside pytest's base directory (0700, and set
+    back to it whenever a pytest session starts): the submitter runs stand-ins of Slurm's
+    commands from it and writes their logs in it."""
+    path = Path(tempfile.mkdtemp(prefix="rlm-open-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from rlmctl.cli import GLOBAL_PANEL, cli, hoist_global_options, version
 from runcontract.rundir import RunDir, write_json_atomic
 from tests.ports import free_port
-from tests.rlmctl.conftest import REPO, rlmctl
+from tests.rlmctl.conftest import REPO, SUBMITTER, rlmctl
 from tests.rlmctl.test_accept import make_run
 
 LONG_RUN = "huginn-3.5b-h100x512-lr3e-4-warmup2000-seq4096-2026-12-02T21-30"  # 62 characters
@@ -243,12 +243,15 @@ def test_launch_dry_run_prints_what_launch_starts(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_rlmctl_slurm_prints_the_script_launch_submits(tmp_path: Path) -> None:
+def test_rlmctl_slurm_prints_the_script_launch_submits(open_tmp_path: Path) -> None:
     """`rlmctl slurm` and `rlmctl launch` under rlm_scheduler: slurm render one script: the file
     launch writes and submits is byte for byte what `rlmctl slurm` printed for the same options.
-    Slurm is a stand-in `sbatch` here (the real one: tests/slurm)."""
+    Slurm is a stand-in `sbatch` here (the real one: tests/slurm), run as the submitter."""
+    tmp_path = open_tmp_path
     (tmp_path / "shared").mkdir()
-    inventory = str(write_inventory(tmp_path, scheduler="slurm"))
+    path = write_inventory(tmp_path, scheduler="slurm")
+    path.write_text(path.read_text() + f"    rlm_service_user: {SUBMITTER}\n")
+    inventory = str(path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     sbatch = bin_dir / "sbatch"

@@ -15,9 +15,18 @@ import pytest
 from clusterspec.inventory import load
 from rlmctl import slurm
 from runcontract.states import EventKind
-from tests.rlmctl.conftest import REPO, assert_one_line_error, rlmctl
+from tests.rlmctl.conftest import REPO, SUBMITTER, assert_one_line_error, rlmctl
 
 CONFIG = REPO / "trainer/configs/tiny.yaml"
+
+
+@pytest.fixture
+def tmp_path(open_tmp_path: Path) -> Path:
+    """This module's tmp_path (local_inventory's too) is one the submitter (SUBMITTER, through
+    runuser: rlmctl runs as root here) may use: it runs the stand-ins and writes their logs."""
+    return open_tmp_path
+
+
 SITE = (
     "    rlm_slurm_account: proj42\n"
     "    rlm_slurm_qos: normal\n"
@@ -263,7 +272,9 @@ def slurm_site(local_inventory: Path, tmp_path: Path, squeue: str, scontrol: str
         "    compute:\n      hosts:\n        localhost:\n",
         "    compute:\n      hosts:\n        localhost:\n    mgmt:\n      hosts:\n        localhost:\n",
     )
-    hosts.write_text(text + "    rlm_scheduler: slurm\n", encoding="utf-8")
+    hosts.write_text(
+        text + f"    rlm_scheduler: slurm\n    rlm_service_user: {SUBMITTER}\n", encoding="utf-8"
+    )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in {"squeue": squeue, "scontrol": scontrol, "sacct": sacct}.items():
@@ -336,14 +347,15 @@ def test_watch_records_a_slurm_requeue_and_lifts_its_hold(
     assert "Slurm requeued job 42 (NODE_FAIL)" in result.stdout + result.stderr
 
 
-def test_watch_leaves_a_preempted_jobs_hold_to_the_preemptor(
-    local_inventory: Path, tmp_path: Path
-) -> None:
-    """Job 42 was preempted and requeued (sacct: PREEMPTED): the preempting job needs the nodes
-    first, so watch records the requeue but never starts job 42 at once (a job started at once is
-    preempted again and ends FAILED, as seen on the rig); Slurm starts it when its hold ends."""
+def held_after_requeue(
+    local_inventory: Path, tmp_path: Path, requeued_from: str, update: str | None = None
+):
+    """`slurm_site` with job 42 requeued once (sacct's first state `requeued_from`) and pending
+    in Slurm's requeue hold (BeginTime) for its first three looks, then gone; `update` is the
+    body of a stand-in `scontrol update JobId=42` (None: not expected to be called)."""
     shows = tmp_path / "shows"
-    run, env = slurm_site(
+    updates = f'  "update JobId=42") {update};;\n' if update is not None else ""
+    return slurm_site(
         local_inventory,
         tmp_path,
         squeue=f'[ "$(wc -l < {shows} 2>/dev/null || echo 0)" -ge 4 ] || echo "PENDING|(null)|BeginTime"',
@@ -351,13 +363,41 @@ def test_watch_leaves_a_preempted_jobs_hold_to_the_preemptor(
             f'case "$1 $2" in\n'
             f'  "--oneliner show") echo >> {shows}; [ "$(wc -l < {shows})" -ge 4 ] && exit 1\n'
             f'    echo "JobId=42 JobName=r1 JobState=PENDING Reason=BeginTime Restarts=1 NodeList=(null)";;\n'
+            f"{updates}"
             "esac"
         ),
         sacct=(
-            'case "$*" in *--duplicates*) printf "PREEMPTED\\nPENDING\\n";; '
+            f'case "$*" in *--duplicates*) printf "{requeued_from}\\nPENDING\\n";; '
             '*) echo "COMPLETED|0:0|n[1-2]";; esac'
         ),
     )
+
+
+def test_watch_waits_out_a_requeue_hold_slurm_will_not_lift_for_it(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """watch lifts a requeue hold as the job's owner (the service user); where Slurm refuses
+    that, watch says so once and follows the job until Slurm starts it and it ends."""
+    run, env = held_after_requeue(
+        local_inventory,
+        tmp_path,
+        requeued_from="NODE_FAIL",
+        update='echo "slurm_update error: Access/permission denied" >&2; exit 1',
+    )
+    result = watch_finished_run(local_inventory, run, env)
+    said = result.stdout + result.stderr
+    assert said.count("stays in Slurm's requeue hold") == 1, said
+    assert "Access/permission denied" in said and "released job" not in said
+    assert (tmp_path / "scontrol.log").read_text().count("StartTime=now") == 1
+
+
+def test_watch_leaves_a_preempted_jobs_hold_to_the_preemptor(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """Job 42 was preempted and requeued (sacct: PREEMPTED): the preempting job needs the nodes
+    first, so watch records the requeue but never starts job 42 at once (a job started at once is
+    preempted again and ends FAILED, as seen on the rig); Slurm starts it when its hold ends."""
+    run, env = held_after_requeue(local_inventory, tmp_path, requeued_from="PREEMPTED")
     watch_finished_run(local_inventory, run, env)
     [requeue] = [e for e in run.events() if e.kind == EventKind.REQUEUED]
     assert requeue.fields["reason"] == "PREEMPTED"
@@ -627,3 +667,122 @@ def test_an_attempts_overrides_reach_the_pinned_trainer(
     )
     argv, _ = wrapper_argv(script, tmp_path)
     assert argv[-2:] == [f"run_dir={tmp_path / 'run'}", "checkpoint.interval_steps=7"], argv
+
+
+UNAVAILABLE_REFUSAL = (
+    "#!/bin/sh\ncat >/dev/null\necho 'sbatch: error: Batch job submission failed: Requested node "
+    "configuration is not available' >&2\nexit 1\n"
+)
+# sinfo --Node --format=%N|%T|%E|%P of a 3-node default partition with n3 down.
+THREE_NODES_ONE_DOWN = (
+    "n1|idle|none|compute*\nn2|idle|none|compute*\nn3|down*|Not responding|compute*"
+)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "fragments", "absent"),
+    [
+        # More than the partition has: no node's state matters, the count does.
+        ("4", ["partition compute has only 3 nodes", "--nodes 3 or fewer"], "n3 is down"),
+        # Nodes enough, one of them down: that node is why.
+        ("3", ["n3 is down* (Not responding)", "State=RESUME"], "has only"),
+    ],
+    ids=["more-than-the-partition", "one-down"],
+)
+def test_a_refused_node_count_blames_the_partitions_size_or_its_down_node(
+    local_inventory: Path, tmp_path: Path, nodes: str, fragments: list[str], absent: str
+) -> None:
+    """sbatch --test-only says only "Requested node configuration is not available", whether the
+    partition is too small or some of its nodes are out; launch tells the two apart (sinfo)."""
+    _, env = slurm_site(local_inventory, tmp_path, squeue="", scontrol="", sacct="")
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "sbatch").write_text(UNAVAILABLE_REFUSAL)
+    (bin_dir / "sinfo").write_text(f"#!/bin/sh\nprintf '%s\\n' '{THREE_NODES_ONE_DOWN}'\n")
+    (bin_dir / "munge").write_text("#!/bin/sh\nexit 1\n")  # no key to compare: not asked
+    for tool in ("sbatch", "sinfo", "munge"):
+        (bin_dir / tool).chmod(0o755)
+    argv = ["launch", "-c", str(CONFIG), "--name", "big", "--nodes", nodes]
+    result = rlmctl("-i", str(local_inventory), *argv, "train.global_batch=96", env=env)
+    assert_one_line_error(result, 1, "Requested node configuration is not available", *fragments)
+    assert absent not in result.stderr
+    assert not (local_inventory.parent / "shared" / "runs" / "big").exists()
+
+
+def test_launch_submits_as_the_service_user_and_gives_it_the_run_directory(
+    local_inventory: Path, tmp_path: Path
+) -> None:
+    """rlmctl (root here) runs every Slurm command as rlm_service_user (`nobody`): sbatch
+    --test-only and sbatch see that user, and the run directory with everything in it, written
+    before the job could start, belongs to it."""
+    import pwd
+
+    _, env = slurm_site(local_inventory, tmp_path, squeue="", scontrol="", sacct="")
+    (tmp_path / "bin" / "sbatch").write_text(
+        f'#!/bin/sh\necho "$(id -un) $*" >> {tmp_path}/sbatch.log\n'
+        'case "$*" in *--test-only*) cat >/dev/null; exit 0;; esac\necho 77\n'
+    )
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    launched = rlmctl(
+        "-i", str(local_inventory), "launch", "-c", str(CONFIG), "--name", "su", env=env
+    )
+    assert launched.returncode == 0, launched.stderr
+    calls = (tmp_path / "sbatch.log").read_text().splitlines()
+    assert len(calls) == 2 and all(c.startswith(f"{SUBMITTER} ") for c in calls), calls
+    run_dir = local_inventory.parent / "shared" / "runs" / "su"
+    nobody = pwd.getpwnam(SUBMITTER)
+    owners = {
+        str(p.relative_to(run_dir)): (p.lstat().st_uid, p.lstat().st_gid)
+        for p in [run_dir, *run_dir.rglob("*")]
+    }
+    assert "slurm-launch-1.sh" in owners and "slurm.json" in owners, owners
+    assert set(owners.values()) == {(nobody.pw_uid, nobody.pw_gid)}, owners
+
+
+@pytest.mark.parametrize(
+    ("user", "fragments"),
+    [
+        ("root", ["rlm_service_user is root", "never submits Slurm jobs as root"]),
+        ("rlm-no-such-user", ["rlm_service_user rlm-no-such-user does not exist", "users_ssh"]),
+    ],
+    ids=["root", "missing"],
+)
+def test_no_job_is_submitted_as_root(
+    local_inventory: Path, tmp_path: Path, user: str, fragments: list[str]
+) -> None:
+    """rlm_service_user root, or (rlmctl run as root on the controller) a service user this
+    host lacks: launch is one line naming rlm_service_user; Slurm is never asked, nothing is
+    written."""
+    _, env = slurm_site(local_inventory, tmp_path, squeue="", scontrol="", sacct="")
+    hosts = local_inventory / "hosts.yml"
+    hosts.write_text(
+        hosts.read_text().replace(f"rlm_service_user: {SUBMITTER}", f"rlm_service_user: {user}")
+    )
+    (tmp_path / "bin" / "sbatch").write_text(f"#!/bin/sh\necho called >> {tmp_path}/sbatch.log\n")
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    result = rlmctl(
+        "-i", str(local_inventory), "launch", "-c", str(CONFIG), "--name", "nr", env=env
+    )
+    assert_one_line_error(result, 2, *fragments)
+    assert not (tmp_path / "sbatch.log").exists()
+    assert not (local_inventory.parent / "shared" / "runs" / "nr").exists()
+
+
+def test_the_submit_host_is_reached_as_the_service_user(tmp_path: Path) -> None:
+    """Over SSH the Slurm commands log in to the controller as rlm_service_user, whatever user
+    the inventory (Ansible) logs in as; other commands to the same host keep that user."""
+    from rlmctl.backend_slurm import Backend
+    from rlmctl.context import Context, Site
+
+    hosts = tmp_path / "hosts.yml"
+    hosts.write_text(
+        "all:\n  children:\n    mgmt:\n      hosts:\n        ctl:\n"
+        "    compute:\n      hosts:\n        n1:\n"
+        "  vars:\n    ansible_user: root\n    rlm_scheduler: slurm\n"
+        "    rlm_service_user: svc\n"
+    )
+    with Context(Site(str(hosts))) as ctx:
+        backend = Backend(ctx)
+        submitter = backend.submitter()
+        assert ctx.fleet.endpoint(submitter).login == "svc"
+        assert ctx.fleet.endpoint(ctx.inventory.hosts["ctl"]).login == "root"
+        assert backend.submit_command(submitter, "squeue") == "squeue"

@@ -26,9 +26,12 @@ SLOT = 4  # see docs/rig.md for the slots of each module
 NODES = 4  # node1: mgmt (controller); node2..node4: compute
 COMPUTE = ("node2", "node3", "node4")
 # The plays Slurm jobs need: validation (always), the base system (apt lists, limits), the
-# trainer venv, Slurm. tests/ansible/test_site_systemd.py applies all of site.yml to the same
-# kind of nodes; here common installs only a short package list to keep the module's time.
-SITE_TAGS = "common,trainer_env,slurm"
+# service user rlm (users_ssh: uid 2000 on every node, the rig's key; rlmctl submits the jobs as
+# rlm and gives it the run directories), the trainer venv, Slurm. tests/ansible/test_site_systemd.py
+# applies all of site.yml to the same kind of nodes; here common installs only a short package
+# list to keep the module's time.
+SITE_TAGS = "common,users_ssh,trainer_env,slurm"
+SERVICE_USER, SERVICE_UID = "rlm", 2000  # rlm_service_user and users_ssh_service_uid's defaults
 # The rerun covers the Slurm play (the others' reruns are test_site_systemd's); check mode runs
 # common too, which refreshes a bare node's apt lists, as site.yml --check does.
 SLURM_TAGS = "slurm"

@@ -28,6 +28,8 @@ from tests.slurm.slurm_rig import (
     NODES,
     PACED_ENV,
     QOS,
+    SERVICE_UID,
+    SERVICE_USER,
     SITE_TAGS,
     SLOT,
     SLURM_TAGS,
@@ -242,10 +244,23 @@ def test_launch_trains_tiny_on_two_nodes_to_completion(cluster: Cluster) -> None
     )
     assert final["state"] == "done" and final["step"] == 20, final
     assert final["slurm"]["job_id"] == job_id and final["slurm"]["exit_code"] == "0:0"
-    nodes = cluster.rig.exec(
-        "node1", f"sacct -n -X -P -j {job_id} --format=State,NNodes,NodeList"
-    ).stdout.split("|")
+    nodes = (
+        cluster.rig.exec("node1", f"sacct -n -X -P -j {job_id} --format=State,NNodes,NodeList,User")
+        .stdout.strip()
+        .split("|")
+    )
     assert nodes[0] == "COMPLETED" and nodes[1] == "2", nodes
+    # Submitted as the service user, not as root (the inventory's SSH user); it owns the run
+    # directory and everything in it: what rlmctl wrote before the job and what the job wrote.
+    assert nodes[3] == SERVICE_USER, nodes
+    run_dir = Path(final["run_dir"])
+    owners = {
+        str(p.relative_to(run_dir)): (p.lstat().st_uid, p.lstat().st_gid)
+        for p in [run_dir, *run_dir.rglob("*")]
+    }
+    assert f"slurm-{job_id}.out" in owners and "checkpoints" in owners, sorted(owners)
+    others = {path: o for path, o in owners.items() if o != (SERVICE_UID, SERVICE_UID)}
+    assert others == {}, others
     logs = rlmctl("-i", str(cluster.inventory), "logs", run, "-n", "500").stdout
     assert "step 20/20" in logs
 
@@ -589,7 +604,8 @@ def registry_rows(cluster: Cluster) -> list[str]:
         (
             ["--nodes", "4"],
             ("Node count specification invalid", "Requested node configuration is not available"),
-            "fewer --nodes",
+            # The partition's size, not a node's state (all three are up).
+            "partition compute has only 3 nodes; ask for --nodes 3 or fewer",
         ),
     ],
     ids=["unknown-partition", "too-many-nodes"],
@@ -723,6 +739,12 @@ def health_diagnostics(cluster: Cluster, node: str) -> str:
     return "\n".join(f"$ {c}\n{r.stdout}{r.stderr}" for c, r in zip(commands, out, strict=True))
 
 
+# A tmpfs over the shared directory hides the controller's marker (shared_fs CRIT); owned by the
+# service user as the real directory is, so that the disk check (ownership) stays OK and the
+# drain reason is the marker alone.
+HIDE_OPTIONS = "-o uid=$(id -u rlm),gid=$(id -g rlm),mode=0755"
+
+
 def test_a_node_failing_the_health_check_drains_with_its_reason_and_resumes(
     cluster: Cluster,
 ) -> None:
@@ -734,7 +756,7 @@ def test_a_node_failing_the_health_check_drains_with_its_reason_and_resumes(
     waited = 4 * HEALTH_INTERVAL_S + 30
     assert rig.exec("node4", f"{HEALTH_PROGRAM} --gate", check=False).returncode == 0
     with health_checks_every(cluster, HEALTH_INTERVAL_S):
-        rig.exec("node4", f"mount -t tmpfs rlm-hidden {shared}")
+        rig.exec("node4", f"mount -t tmpfs {HIDE_OPTIONS} rlm-hidden {shared}")
         try:
             _, reason = wait_for(
                 lambda: (s := node_state(cluster, "node4"))[0].startswith("drain") and s,
@@ -807,7 +829,7 @@ def test_the_prolog_gate_drains_a_failing_node_and_the_job_does_not_run_there(
     job = ""
     with health_checks_every(cluster, 0):
         try:
-            rig.exec("node4", f"mount -t tmpfs rlm-hidden {shared}")
+            rig.exec("node4", f"mount -t tmpfs {HIDE_OPTIONS} rlm-hidden {shared}")
             job = rig.exec(
                 "node1", "sbatch --parsable --nodelist=node4 --output=/dev/null --wrap 'hostname'"
             ).stdout.strip()
