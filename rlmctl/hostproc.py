@@ -214,12 +214,23 @@ def parent_pid(pid):
     return info[0] if info else None
 
 
+def pid_namespace(pid):
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
 def stop_targets(processes):
     """Whom a stop's SIGTERM goes to: each root of the run's process tree on this host (the
     launcher shell, or a worker whose torchrun is gone) and the roots' children (torchrun).
     Not torchrun's workers: torchrun forwards the signal to them, and a worker that got it twice
-    would take the second as "exit now" and skip its checkpoint (trainer/train.py)."""
-    pids = {pid for pid, _ in processes}
+    would take the second as "exit now" and skip its checkpoint (trainer/train.py). Not a
+    container's processes either (rlm_container_image: another PID namespace): `podman run`, a
+    child of the launcher shell, passes the signal on to the container's first process
+    (torchrun), whose parent (conmon) is not the run's, so it would count as a root."""
+    own = pid_namespace("self")
+    pids = {pid for pid, _ in processes if pid_namespace(pid) in (own, None)}
     parents = {pid: parent_pid(pid) for pid in pids}
     roots = {pid for pid, parent in parents.items() if parent not in pids}
     return sorted(pid for pid, parent in parents.items() if pid in roots or parent in roots)

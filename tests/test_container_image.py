@@ -2,7 +2,8 @@
 a wheelhouse of the bundle and its dependencies, and run with podman: 2 training steps on the
 bundled corpus, CPU, no network. Built once per content of its inputs; the second ensure finds
 it by its tag. Both times are printed (the cached one is what the suite pays after a change-free
-run; a fresh CI machine pays the build).
+run; a fresh CI machine pays the build). Then rlmctl runs a job in it on two rig hosts over SSH
+(rlm_container_image): launch, status, a clean stop.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import tomllib
+import yaml
 
 from tests.ansible.rig_site import build_wheelhouse
-from tests.rig import container
+from tests.rig import Rig, container
 from tests.rig.image import IMAGE_ROOT
+from tests.rlmctl.conftest import rlmctl, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(1800)
@@ -111,3 +115,70 @@ def test_the_image_is_labelled_with_its_inputs_and_a_changed_input_is_a_new_imag
     (bundle,) = rebuilt.glob("rlm_ops-*.whl")
     (original,) = wheelhouse.glob("rlm_ops-*.whl")
     assert container.wheel_key(bundle) == container.wheel_key(original)
+
+
+@pytest.mark.rig
+@pytest.mark.integration
+def test_rlmctl_runs_each_hosts_torchrun_in_the_image_over_ssh(
+    image: container.TrainerImage, make_rig: Callable[[int], Rig]
+) -> None:
+    """rlm_container_image over SSH with the real image and podman: `rlmctl launch` on two rig
+    hosts (real sshd, SSH from the CLI) runs each host's torchrun in `podman run` of the image;
+    the ranks meet over the host network and train; `status` finds the container's processes
+    (by the run's variables, as any), and `stop` checkpoints and ends them: no process and no
+    container is left. rlm_container_options carries the limits this machine kind allows
+    (no CAP_SYS_RESOURCE here: see container.run_argv)."""
+    rig = make_rig(2)
+    for host in rig.hosts:
+        container.prepare_podman_host(rig, host.name)
+    subprocess.run(
+        [sys.executable, "-m", "trainer", "prepare", "--out", str(rig.shared_dir / "data"),
+         "--seq-len", "64"],
+        check=True, capture_output=True, cwd=REPO,
+    )  # fmt: skip
+    inventory = yaml.safe_load(rig.inventory_path.read_text())
+    inventory["all"]["vars"] |= {
+        "rlm_container_image": image.ref,
+        "rlm_container_options": container.limit_options(),
+    }
+    path = rig.state_dir / "container-inventory.yml"
+    path.write_text(yaml.safe_dump(inventory))
+    inv = ["-i", str(path)]
+    run = "in-image"
+    overrides = ["data.path=data", "train.steps=100000", "train.global_batch=8", "eval.every=0"]
+    config = str(REPO / "trainer/configs/tiny.yaml")
+    launched = rlmctl(*inv, "launch", "--config", config, "--name", run, *overrides, timeout=300)
+    assert launched.returncode == 0, launched.stderr
+    run_dir = rig.shared_dir / "runs" / run
+
+    def status() -> dict:
+        shown = rlmctl(*inv, "status", run, "--json")
+        return json.loads(shown.stdout) if shown.stdout.strip() else {}
+
+    try:
+        running = wait_for(lambda: (s := status()) and (s.get("step") or 0) >= 3 and s, 300,
+                           "step 3 in the image on both hosts")  # fmt: skip
+        assert running["state"] == "running", running
+        assert [h["alive"] for h in running["hosts"]] == [True, True], running["hosts"]
+        # torchrun and the trainers (every python of the run) run in containers: in PID
+        # namespaces of their own (the rig's hosts share the machine's). The launcher's shell
+        # and podman carry run_dir= in their command lines too, outside.
+        listing = rig.exec(
+            "node1",
+            "me=$(readlink /proc/self/ns/pid); "
+            f"for pid in $(pgrep -f '[r]un_dir={run_dir}'); do "
+            '[ "$(readlink /proc/$pid/ns/pid)" = "$me" ] && where=outside || where=container; '
+            "echo $where $(head -c 200 /proc/$pid/cmdline | tr '\\0' ' '); done",
+        ).stdout.splitlines()
+        pythons = [row.split()[0] for row in listing if "python" in row.split()[1]]
+        assert len(pythons) >= 4 and set(pythons) == {"container"}, listing
+        for host in rig.hosts:
+            assert rig.exec(host, "podman ps --quiet").stdout.strip(), host.name
+    finally:
+        stopped = rlmctl(*inv, "stop", run, "--timeout", "60", timeout=180)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    final = status()
+    assert final["state"] == "stopped" and final["checkpoint"]["valid"], final
+    for host in rig.hosts:
+        assert rig.exec(host, f"pgrep -af '[r]un_dir={run_dir}' || true").stdout.strip() == ""
+        assert rig.exec(host, "podman ps --all --quiet").stdout.strip() == "", host.name

@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from tests.rig.errors import RigError
 from tests.rig.image import IMAGE_ROOT, ensure_image, image_path
+from tests.rig.rig import Rig
 
 FORMAT = 1
 BASE = "localhost/rlm-debian"
@@ -151,12 +153,69 @@ def run_argv(*options: str) -> list[str]:
     without CAP_SYS_RESOURCE (as on this machine kind) podman's own defaults (nofile 1048576)
     cannot be set. No network: nothing in the image reaches out."""
     runtime = ["--runtime", "runc"] if Path("/sys/fs/cgroup/unified").is_dir() else []
+    return ["podman", *runtime, "run", "--rm", "--network=none", *limit_options(), *options]
+
+
+def limit_options() -> list[str]:
+    """`podman run`'s limits as this machine kind allows them (see run_argv)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1] % 2**63, NPROC_MAX)
-    return [
-        "podman", *runtime, "run", "--rm", "--network=none",
-        f"--ulimit=nofile={soft}:{hard}", f"--ulimit=nproc={nproc}:{nproc}", *options,
-    ]  # fmt: skip
+    return [f"--ulimit=nofile={soft}:{hard}", f"--ulimit=nproc={nproc}:{nproc}"]
+
+
+# What a rig host lacks for podman that a real node has, set up by `prepare_podman_host`:
+# - cgroups: a rig host mounts a fresh sysfs, so its /sys/fs/cgroup is empty; the machine's
+#   hierarchies are mounted there as on the machine (v1 controllers, systemd's named one, v2).
+# - storage: a rig host's root is an overlay of the machine's, and podman refuses overlay storage
+#   on overlayfs ("a mount_program is required"); its own storage goes to the shared directory
+#   (ext4), and the machine's storage, where the suite built the image, is an additional,
+#   read-only image store: nothing is copied.
+# - runc where cgroup v1 and v2 are mounted side by side (see run_argv); events to a file (no
+#   journald in a rig host).
+_PODMAN_HOST_SCRIPT = r"""
+set -eu
+if ! mountpoint -q /sys/fs/cgroup; then
+    mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup
+    for c in $CONTROLLERS; do
+        mkdir -p "/sys/fs/cgroup/$c" && mount -t cgroup -o "$c" cgroup "/sys/fs/cgroup/$c"
+    done
+    if [ -n "$NAMED" ]; then
+        mkdir -p /sys/fs/cgroup/systemd
+        mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd
+    fi
+    if [ -n "$UNIFIED" ]; then
+        mkdir -p "/sys/fs/cgroup/$UNIFIED" && mount -t cgroup2 cgroup2 "/sys/fs/cgroup/$UNIFIED"
+    fi
+fi
+mkdir -p /etc/containers "$GRAPHROOT"
+printf '[storage]\ndriver = "overlay"\ngraphroot = "%s"\nrunroot = "/run/containers/storage"\n[storage.options]\nadditionalimagestores = ["/var/lib/containers/storage"]\n' "$GRAPHROOT" > /etc/containers/storage.conf
+printf '[engine]\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n%s\n' "$RUNTIME" > /etc/containers/containers.conf
+"""
+
+
+def prepare_podman_host(rig: Rig, host: str) -> None:
+    """Let `podman run` of the images built on this machine work in a rig host (see above)."""
+    controllers, named, unified = [], False, ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, where, kind, options = line.split()[:4]
+        if not where.startswith("/sys/fs/cgroup/"):
+            continue
+        name = where.removeprefix("/sys/fs/cgroup/")
+        if kind == "cgroup2":
+            unified = name
+        elif "name=systemd" in options.split(","):
+            named = True
+        elif kind == "cgroup":
+            controllers.append(name)
+    env = {
+        "CONTROLLERS": " ".join(controllers),
+        "NAMED": "1" if named else "",
+        "UNIFIED": unified,
+        "GRAPHROOT": f"{rig.shared_dir}/containers/{host}",
+        "RUNTIME": 'runtime = "runc"' if unified else "",
+    }
+    exports = " ".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
+    rig.exec(host, f"{exports} sh -c {shlex.quote(_PODMAN_HOST_SCRIPT)}")
 
 
 def ensure_trainer_image(wheelhouse: Path) -> TrainerImage:
