@@ -96,6 +96,10 @@ def slurm_inventory(rig: Rig, work: Path) -> dict[str, Any]:
                 {"name": "compute", "group": "compute", "default": True},
                 {"name": URGENT, "group": "compute", "priority_tier": 2},
             ],
+            # As most shared sites: a job needs an association of its user with its account;
+            # every launch of the module charges ACCOUNT (rlm_slurm_account).
+            "slurm_accounting_enforce": ["associations"],
+            "rlm_slurm_account": ACCOUNT,
             "slurm_qos": [{"name": QOS, "settings": {"MaxWall": "7-00:00:00"}}],
             "slurm_accounts": [
                 {"name": ACCOUNT, "users": ["rlm"], "qos": ["normal", QOS], "default_qos": "normal"}

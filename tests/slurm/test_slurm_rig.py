@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from runcontract.states import EventKind
 from tests.ansible.playbook_run import REPO, PlaybookRun, run_playbook, write_inventory
 from tests.rig import Rig
 from tests.rlmctl.conftest import rlmctl
@@ -245,7 +247,9 @@ def test_launch_trains_tiny_on_two_nodes_to_completion(cluster: Cluster) -> None
     assert final["state"] == "done" and final["step"] == 20, final
     assert final["slurm"]["job_id"] == job_id and final["slurm"]["exit_code"] == "0:0"
     nodes = (
-        cluster.rig.exec("node1", f"sacct -n -X -P -j {job_id} --format=State,NNodes,NodeList,User")
+        cluster.rig.exec(
+            "node1", f"sacct -n -X -P -j {job_id} --format=State,NNodes,NodeList,User,Account"
+        )
         .stdout.strip()
         .split("|")
     )
@@ -253,6 +257,7 @@ def test_launch_trains_tiny_on_two_nodes_to_completion(cluster: Cluster) -> None
     # Submitted as the service user, not as root (the inventory's SSH user); it owns the run
     # directory and everything in it: what rlmctl wrote before the job and what the job wrote.
     assert nodes[3] == SERVICE_USER, nodes
+    assert nodes[4] == ACCOUNT, nodes  # rlm_slurm_account, on a site enforcing associations
     run_dir = Path(final["run_dir"])
     owners = {
         str(p.relative_to(run_dir)): (p.lstat().st_uid, p.lstat().st_gid)
@@ -285,6 +290,48 @@ def test_stop_mid_run_checkpoints_and_cancels(cluster: Cluster) -> None:
     assert status["state"] == "stopped" and status["checkpoint"]["valid"], status
     assert status["checkpoint"]["step"] >= 5  # the signal's checkpoint, not the interval's
     assert run_processes(cluster, Path(status["run_dir"])) == {}
+
+
+def test_each_rank_runs_on_the_cpus_its_nodes_plan_gives_it(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Two ranks per node (rlm_gpus_per_node: 2 on these CPU nodes): each node's wrapper plans
+    the binding from the node's own topology (clusterspec.binding; here 2 CPUs, one per rank)
+    and says so in the job's output; the kernel's view of each running worker
+    (/proc/<pid>/status Cpus_allowed_list) is its rank's share of the plan."""
+    assert cluster.first.rc == 0
+    rig, run = cluster.rig, "slurm-pinned"
+    two = yaml.safe_load(cluster.inventory.read_text())
+    two["all"]["vars"]["rlm_gpus_per_node"] = 2
+    inventory = tmp_path / "two-ranks.yml"
+    inventory.write_text(yaml.safe_dump(two))
+    overrides = [*TINY, "train.steps=100000", "checkpoint.interval_steps=1000"]
+    argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2", "--json"]
+    launched = rlmctl("-i", str(inventory), *argv, *overrides, timeout=180)
+    assert launched.returncode == 0, launched.stderr
+    job = json.loads(launched.stdout)["job_id"]
+    try:
+        wait_for(lambda: (status_of(cluster, run, inventory).get("step") or 0) >= 2, 240, "step 2")
+        nodes = rig.exec("node1", f"squeue -h -j {job} -o %N").stdout.strip()
+        hostnames = rig.exec("node1", f"scontrol show hostnames {nodes}").stdout.split()
+        assert len(hostnames) == 2, nodes
+        # Each worker (torchrun sets LOCAL_RANK) and the CPUs the kernel lets it run on.
+        script = (
+            "for pid in $(pgrep -f '[t]rainer train'); do "
+            "lr=$(tr '\\0' '\\n' < /proc/$pid/environ | sed -n 's/^LOCAL_RANK=//p'); "
+            '[ -n "$lr" ] && echo "$lr $(sed -n \'s/^Cpus_allowed_list:\\s*//p\' '
+            '/proc/$pid/status)"; done; true'
+        )
+        output = (rig.shared_dir / "runs" / run / f"slurm-{job}.out").read_text()
+        for node in hostnames:
+            said = re.search(rf"^{node}: ranks pinned to CPUs (.+)$", output, re.MULTILINE)
+            assert said, output[-2000:]
+            plan = said.group(1).split()  # one CPU list per local rank
+            assert len(plan) == 2 and plan[0] != plan[1], plan
+            affinity = dict(line.split() for line in rig.exec(node, script).stdout.splitlines())
+            assert affinity == {"0": plan[0], "1": plan[1]}, (node, affinity, plan)
+    finally:
+        rlmctl("-i", str(inventory), "stop", run, "--timeout", "90", timeout=240)
 
 
 def test_resume_after_stop_finishes_in_the_same_run_directory(cluster: Cluster) -> None:
@@ -588,6 +635,58 @@ def test_preemption_checkpoints_on_the_signal_requeues_and_finishes(
     assert_requeued_once_and_resumed(cluster, final, job, saved, steps)
 
 
+def test_segments_run_past_the_time_limit_each_from_the_last_checkpoint(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`launch --segments 3 --time 3`: three jobs chained (afterany), each within a 3-minute
+    limit. The first is signalled 60 s before it, its trainers save and it ends (COMPLETED, no
+    requeue); the second starts with no operator and resumes from that checkpoint; `stop` then
+    saves and cancels the running segment and cancels the pending third. The steps are held
+    back (PACED_ENV) so that no segment can finish the run; the ledger holds every sample of
+    the lineage exactly once."""
+    assert cluster.first.rc == 0
+    rig, run = cluster.rig, "slurm-segments"
+    inventory = paced_inventory(cluster, tmp_path)
+    overrides = [*TINY, "train.steps=100000", "checkpoint.interval_steps=1000"]
+    argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2", "--time", "3"]
+    launched = rlmctl("-i", str(inventory), *argv, "--segments", "3", *overrides, timeout=180)
+    assert launched.returncode == 0, launched.stderr
+    run_dir = RunDir(rig.shared_dir / "runs" / run)
+    chain = json.loads((run_dir.path / "slurm.json").read_text())["chain"]
+    assert len(chain) == 3, chain
+
+    def sacct_states() -> list[str]:
+        jobs = ",".join(chain)
+        out = rig.exec("node1", f"sacct -n -X -P -j {jobs} --format=JobID,State").stdout
+        found = dict(line.strip().split("|", 1) for line in out.splitlines() if "|" in line)
+        return [found.get(job, "") for job in chain]
+
+    def second_trains() -> dict | None:
+        s = status_of(cluster, run, inventory)
+        saved = s.get("checkpoint") or {}
+        segment = s.get("slurm") or {}
+        moving = segment.get("job_id") == chain[1] and s.get("state") == "running"
+        return s if moving and saved.get("valid") and s["step"] > saved["step"] + 2 else None
+
+    diagnose = lambda: f"{sacct_states()} {json.dumps(status_of(cluster, run, inventory))}"  # noqa: E731
+    wait_for(
+        second_trains, 420, "the second segment to train from the first's checkpoint", diagnose
+    )
+    first_out = (run_dir.path / f"slurm-{chain[0]}.out").read_text()
+    assert "segment 1 of 3 reached its time limit: the next one resumes" in first_out, first_out
+    stopped = rlmctl("-i", str(inventory), "stop", run, "--timeout", "90", timeout=240)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    final = status_of(cluster, run, inventory)
+    assert final["state"] == "stopped" and final["checkpoint"]["valid"], final
+    states = wait_for(
+        lambda: (st := sacct_states())[2].startswith("CANCELLED") and st, 60, "the chain's end"
+    )
+    assert states[0] == "COMPLETED" and states[1].startswith("CANCELLED"), states
+    segments = [e.fields for e in run_dir.events() if e.kind == EventKind.LAUNCHED]
+    assert [f.get("segment", 1) for f in segments] == [1, 2], segments
+    assert_ledger_exact(run_dir.path, final["checkpoint"]["step"])
+
+
 def registry_rows(cluster: Cluster) -> list[str]:
     listed = rlmctl("-i", str(cluster.inventory), "runs", "--json")
     return [row["name"] for row in json.loads(listed.stdout or "[]")]
@@ -628,6 +727,49 @@ def test_a_job_slurm_refuses_is_one_line_and_leaves_nothing(
 def runs_listing(cluster: Cluster) -> list[str]:
     runs = cluster.rig.shared_dir / "runs"
     return sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) if runs.exists() else []
+
+
+NEWCOMER = "newcomer"  # a Unix user the site never added to an account
+
+
+def test_a_job_without_an_account_of_its_user_is_refused_in_one_line(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The site enforces associations (AccountingStorageEnforce=associations), as most shared
+    clusters do. A submitter the accounting database does not know (no account at all) and an
+    account that is not the submitter's are refused by Slurm at submission (`sbatch
+    --test-only`); rlmctl says so in one line naming rlm_slurm_account, exit 1, and leaves the
+    registry and the runs directory as they were. With the account (the module's inventory)
+    jobs run: test_launch_trains_tiny_on_two_nodes_to_completion checks sacct's Account."""
+    assert cluster.first.rc == 0
+    rig = cluster.rig
+    conf = rig.exec("node1", "scontrol show config").stdout
+    assert any(
+        line.split() == ["AccountingStorageEnforce", "=", "associations"]
+        for line in conf.splitlines()
+    ), [line for line in conf.splitlines() if "Enforce" in line]
+    # The newcomer logs in to the controller with the operators' key, as rlm does.
+    rig.exec(
+        "node1",
+        f"id {NEWCOMER} >/dev/null 2>&1 || useradd --create-home {NEWCOMER}; "
+        f"home=$(getent passwd {NEWCOMER} | cut -d: -f6); "
+        f"install -d -m 700 -o {NEWCOMER} $home/.ssh; "
+        f"install -m 600 -o {NEWCOMER} $(getent passwd {SERVICE_USER} | cut -d: -f6)"
+        "/.ssh/authorized_keys $home/.ssh/authorized_keys",
+    )
+    inventory = yaml.safe_load(cluster.inventory.read_text())
+    inventory["all"]["vars"]["rlm_service_user"] = NEWCOMER
+    del inventory["all"]["vars"]["rlm_slurm_account"]
+    newcomers = tmp_path / "newcomer.yml"
+    newcomers.write_text(yaml.safe_dump(inventory))
+    before, runs = registry_rows(cluster), runs_listing(cluster)
+    for path, extra in ((newcomers, []), (cluster.inventory, ["--account", "nosuch"])):
+        argv = ["launch", "--config", CONFIG, "--name", "no-account", "--nodes", "2", *extra]
+        result = rlmctl("-i", str(path), *argv, *TINY, timeout=180)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, result.stderr
+        assert "Invalid account" in lines[0] and "rlm_slurm_account" in lines[0], lines[0]
+    assert (registry_rows(cluster), runs_listing(cluster)) == (before, runs)
 
 
 def test_a_node_whose_munge_key_differs_is_down_with_the_fix_and_launch_says_so(
@@ -873,6 +1015,8 @@ def test_the_epilog_cleans_up_after_a_user_once_their_last_job_on_the_node_ends(
     rig, uid = cluster.rig, 3001
     for host in rig.hosts:
         rig.exec(host, f"id rlmjob >/dev/null 2>&1 || useradd --uid {uid} --no-create-home rlmjob")
+    # The site enforces associations: the user gets one, as a site's admin would give it.
+    rig.exec("node1", f"sacctmgr -i add user rlmjob account={ACCOUNT} >/dev/null || true")
     quiet = "</dev/null >/dev/null 2>&1 &"
     rig.exec(
         "node3",
