@@ -22,9 +22,11 @@ import tomllib
 import yaml
 
 from tests.ansible.rig_site import build_wheelhouse
+from tests.goodput_faults import prepare_data
 from tests.rig import Rig, container
 from tests.rig.image import IMAGE_ROOT
 from tests.rlmctl.conftest import rlmctl, wait_for
+from tests.rlmctl.test_cluster import status_of
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(1800)
@@ -131,11 +133,7 @@ def test_rlmctl_runs_each_hosts_torchrun_in_the_image_over_ssh(
     rig = make_rig(2)
     for host in rig.hosts:
         container.prepare_podman_host(rig, host.name)
-    subprocess.run(
-        [sys.executable, "-m", "trainer", "prepare", "--out", str(rig.shared_dir / "data"),
-         "--seq-len", "64"],
-        check=True, capture_output=True, cwd=REPO,
-    )  # fmt: skip
+    prepare_data(rig.shared_dir, REPO)
     inventory = yaml.safe_load(rig.inventory_path.read_text())
     inventory["all"]["vars"] |= {
         "rlm_container_image": image.ref,
@@ -151,12 +149,8 @@ def test_rlmctl_runs_each_hosts_torchrun_in_the_image_over_ssh(
     assert launched.returncode == 0, launched.stderr
     run_dir = rig.shared_dir / "runs" / run
 
-    def status() -> dict:
-        shown = rlmctl(*inv, "status", run, "--json")
-        return json.loads(shown.stdout) if shown.stdout.strip() else {}
-
     try:
-        running = wait_for(lambda: (s := status()) and (s.get("step") or 0) >= 3 and s, 300,
+        running = wait_for(lambda: (s := status_of(path, run)) and (s.get("step") or 0) >= 3 and s, 300,
                            "step 3 in the image on both hosts")  # fmt: skip
         assert running["state"] == "running", running
         assert [h["alive"] for h in running["hosts"]] == [True, True], running["hosts"]
@@ -177,7 +171,7 @@ def test_rlmctl_runs_each_hosts_torchrun_in_the_image_over_ssh(
     finally:
         stopped = rlmctl(*inv, "stop", run, "--timeout", "60", timeout=180)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    final = status()
+    final = status_of(path, run)
     assert final["state"] == "stopped" and final["checkpoint"]["valid"], final
     for host in rig.hosts:
         assert rig.exec(host, f"pgrep -af '[r]un_dir={run_dir}' || true").stdout.strip() == ""
