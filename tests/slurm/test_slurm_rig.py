@@ -656,10 +656,7 @@ def test_segments_run_past_the_time_limit_each_from_the_last_checkpoint(
     assert len(chain) == 3, chain
 
     def sacct_states() -> list[str]:
-        jobs = ",".join(chain)
-        out = rig.exec("node1", f"sacct -n -X -P -j {jobs} --format=JobID,State").stdout
-        found = dict(line.strip().split("|", 1) for line in out.splitlines() if "|" in line)
-        return [found.get(job, "") for job in chain]
+        return [job_state(cluster, job) for job in chain]
 
     def second_trains() -> dict | None:
         s = status_of(cluster, run, inventory)
