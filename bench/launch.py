@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/launch.py` puts only bench/ on the path
 
 from runcontract.states import EventKind  # noqa: E402
-from tests.ansible.playbook_run import run_playbook, write_inventory  # noqa: E402
 from tests.rig import Rig  # noqa: E402
 from tests.slurm import slurm_rig  # noqa: E402
 from trainer.rundir import RunDir  # noqa: E402
@@ -153,15 +152,7 @@ def main() -> None:
     work = Path(os.environ.get("RLM_BENCH_WORK", "/tmp/rlm-bench-launch"))
     work.mkdir(parents=True, exist_ok=True)
     with Rig(slurm_rig.NODES, slot=SLOT, release="bookworm") as rig:
-        for name in slurm_rig.COMPUTE:
-            slurm_rig.remount_cgroups_writable(rig, name)
-        inventory = slurm_rig.slurm_inventory(rig, work)
-        inventory["all"]["vars"].pop("rlm_comm_env")  # no test hooks: the trainer as shipped
-        slurm = write_inventory(work / "slurm.yml", inventory)
-        site = run_playbook("site.yml", slurm, work, tags=slurm_rig.SITE_TAGS, timeout=1200)
-        if site.rc != 0:
-            raise SystemExit(f"site.yml failed: {site.stderr[-2000:]}")
-        slurm_rig.prepare_corpus(rig, REPO)
+        slurm = slurm_rig.provision(rig, work)  # no test hooks: the trainer as shipped
         ssh_vars = yaml.safe_load(slurm.read_text())
         ssh_vars["all"]["vars"]["rlm_scheduler"] = "ssh"
         ssh = work / "ssh.yml"

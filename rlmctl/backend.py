@@ -180,6 +180,12 @@ class Backend(Protocol):
         """The hosts a failed attempt must not get again."""
         ...
 
+    def in_service(self, hosts: list[str]) -> dict[str, str]:
+        """Which of the excluded `hosts` the next attempt may have again, each with the
+        evidence (Slurm: the node is in service again, its health check passing); the
+        lifecycle decides whether one may come back (`WatchPolicy.strikes`)."""
+        ...
+
     def log_paths(self, run: RunDir, host: str | None) -> dict[str, Path]:
         """The launcher logs of the run by name (host, or Slurm job output)."""
         ...

@@ -49,6 +49,10 @@ ENDED = frozenset(
         "PREEMPTED",
     }
 )
+# `sinfo %T` states of a node that takes jobs. A flag after it (`*` not responding, `~` powered
+# off, `#`/`%` powering up/down, `@`/`^` reboot, `$` maintenance, `+` more states) means not yet;
+# `-` (planned by the backfill scheduler) is in service.
+IN_SERVICE = frozenset({"idle", "mixed", "allocated", "completing", "planned"})
 UNAVAILABLE = "Requested node configuration is not available"
 # What sbatch --test-only says when a job asks for more nodes than it can get, whether the
 # partition is too small or some of its nodes are out: the node count is not in the message.
@@ -726,6 +730,20 @@ class Backend:
                 if state.startswith(("drain", "down", "fail")):
                     bad.add(node)
         return sorted(bad)
+
+    def in_service(self, hosts: list[str]) -> dict[str, str]:
+        """The `hosts` Slurm has in service (`IN_SERVICE`): its health check (the role's
+        HealthCheckProgram, rlmctl's host checks) drains a node that fails it, and a node an
+        operator took out stays drained or down until resumed."""
+        if not hosts:
+            return {}
+        argv = ["sinfo", "--noheader", "--Node", f"--nodes={','.join(hosts)}", "--format=%N|%T"]
+        back = {}
+        for row in self.slurm(argv, "sinfo failed").stdout.splitlines():
+            node, _, state = row.strip().partition("|")
+            if node in hosts and state.rstrip("-") in IN_SERVICE:
+                back[node] = f"Slurm has it {state}"
+        return back
 
     def log_paths(self, run: RunDir, host: str | None) -> dict[str, Path]:
         """The job output files (all nodes' tasks are in one per job)."""

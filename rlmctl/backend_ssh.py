@@ -382,6 +382,12 @@ class Backend:
         """Hosts that stopped answering; a host that fails the gate is left out by the resume."""
         return sorted(probe.unreachable)
 
+    def in_service(self, hosts: list[str]) -> dict[str, str]:
+        """None: over SSH a resume runs on the newest attempt's hosts (`placement_of`) and no
+        scheduler vouches for a host that stopped answering, so an excluded host stays out
+        until an operator launches the run again on it."""
+        return {}
+
     def log_paths(self, run: RunDir, host: str | None) -> dict[str, Path]:
         hosts = [h["host"] for h in self.ctx.registry.hosts(run.name)]
         if host is not None:

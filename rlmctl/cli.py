@@ -449,6 +449,14 @@ def watch(
     straggler_windows: Annotated[
         int, typer.Option(help="...in each of this many metrics windows.", min=1)
     ] = STRAGGLER_WINDOWS,
+    strikes: Annotated[
+        int,
+        typer.Option(
+            help="A node named by this many failed attempts stays out of the run; named fewer "
+            "times, it comes back once Slurm has it in service again.",
+            min=1,
+        ),
+    ] = 2,
     json_output: Annotated[
         bool,
         typer.Option(
@@ -476,6 +484,7 @@ def watch(
         exclude_stragglers=exclude_stragglers,
         straggler_margin=straggler_margin,
         straggler_windows=straggler_windows,
+        strikes=strikes,
     )
     say = render.say()
     if json_output:

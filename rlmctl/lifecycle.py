@@ -564,6 +564,9 @@ class WatchPolicy:
     exclude_stragglers: bool = False
     straggler_margin: float = STRAGGLER_MARGIN
     straggler_windows: int = STRAGGLER_WINDOWS
+    # A host named by this many failed attempts of the run stays out for the rest of it; one
+    # named fewer times comes back once the scheduler has it in service again (`readmit`).
+    strikes: int = 2
 
     def backoff(self, streak: int) -> float:
         """Seconds before a restart after `streak` earlier failures in a row that kept no new
@@ -587,9 +590,7 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
     run = ctx.run(name)
     restarts = 0
     streak = 0  # failures in a row that saved no new checkpoint: the back-off's exponent
-    excluded = {
-        h for e in run.events() if e.kind == EventKind.EXCLUDED for h in e.fields.get("hosts", [])
-    }
+    excluded = excluded_hosts(run)
     while True:
         saved_before = newest_checkpoint_step(run)
         failure = follow(backend, run, policy, say)
@@ -623,6 +624,7 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
             run.append_event(EventKind.EXCLUDED, hosts=new, reason=reason)
         if policy.exclude_stragglers:
             excluded |= exclude_stragglers(ctx, backend, run, excluded, policy, say)
+        excluded -= readmit(backend, run, excluded - set(bad), policy, say)
         if policy.checkpoint_interval != "keep":
             choose_checkpoint_interval(ctx, run, policy, say)
         # A month-long run fails many times; only a flapping one (no progress kept between
@@ -641,6 +643,61 @@ def watch(ctx: Context, backend: Backend, name: str, policy: WatchPolicy, say: S
         if resumed.job_id:
             say(f"resubmitted as Slurm job {resumed.job_id}, excluding "
                 f"{', '.join(sorted(excluded)) or '-'}")  # fmt: skip
+
+
+def excluded_hosts(run: RunDir) -> set[str]:
+    """The hosts left out of the run's next attempt: its `excluded` events' hosts, less those
+    `readmitted` since."""
+    out: set[str] = set()
+    for event in run.events():
+        if event.kind == EventKind.EXCLUDED:
+            out |= set(event.fields.get("hosts", []))
+        elif event.kind == EventKind.READMITTED:
+            out -= set(event.fields.get("hosts", []))
+    return out
+
+
+def readmit(
+    backend: Backend, run: RunDir, candidates: set[str], policy: WatchPolicy, say: Say
+) -> set[str]:
+    """The excluded `candidates` the next attempt may have again (a `readmitted` event): in
+    service by the backend's word (Slurm's health check drains a node that fails it), named by
+    fewer than `policy.strikes` failures of the run, and not left out as a straggler (slow
+    hardware passes health checks). The caller leaves out the hosts of the failure at hand:
+    a host sits out at least one attempt, time for the scheduler's next health check. Without
+    this, every node that ever failed a month-long run would be lost to it for good."""
+    events = run.events()
+    strikes: dict[str, int] = {}
+    for event in events:
+        if event.kind == EventKind.FAILURE:
+            for host in event.fields.get("nodes") or []:
+                strikes[host] = strikes.get(host, 0) + 1
+    slow = {
+        host
+        for event in events
+        if event.kind == EventKind.EXCLUDED and event.fields.get("stragglers")
+        for host in event.fields.get("hosts", [])
+    }
+    eligible = sorted(h for h in candidates - slow if strikes.get(h, 0) < policy.strikes)
+    try:
+        back = backend.in_service(eligible) if eligible else {}
+    except RlmctlError as error:  # the scheduler did not answer: they stay out this time
+        say(f"no host readmitted: {error}")
+        return set()
+    if not back:
+        return set()
+    hosts = sorted(back)
+    reason = "; ".join(
+        f"{h}: {back[h]}, strike {strikes.get(h, 0)} of {policy.strikes}" for h in hosts
+    )
+    run.append_event(
+        EventKind.READMITTED,
+        hosts=hosts,
+        reason=reason,
+        strikes={h: strikes.get(h, 0) for h in hosts},
+    )
+    say(f"readmitting {', '.join(hosts)} ({reason})")
+    return set(hosts)
 
 
 def newest_checkpoint_step(run: RunDir) -> int:

@@ -47,6 +47,7 @@ class EventKind(str, Enum):
     STOP_FAILED = "stop_failed"  # processes survived SIGKILL, or a host did not answer
     FAILURE = "failure"  # watch saw the attempt fail (reason, exit code, step, where)
     EXCLUDED = "excluded"  # hosts left out of the next attempt
+    READMITTED = "readmitted"  # excluded hosts let back in: in service again, strikes left
     GAVE_UP = "gave_up"  # watch: not restartable, or the restart budget is used up
     # Slurm put the job back in the queue (time limit, preemption, NODE_FAIL, scontrol requeue):
     # the batch script (a requeue it asks for) or watch (one Slurm made), with the reason

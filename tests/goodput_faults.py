@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,8 +34,10 @@ class GoodputFaults(Faults):
     kill_step: int = -1
     kill_on_rank: int = -1
     kill_here: bool = False  # whatever rank this process is (faults set per host)
-    # Every rank of a process with these faults sleeps this long per micro-batch.
+    # Every rank of a process with these faults sleeps this long per micro-batch; with
+    # `slow_host`, only on the host of that name (under Slurm every node gets one environment).
     slow_here_s: float = 0.0
+    slow_host: str = ""
 
     def on_batch(
         self, run_dir: Path, rank: int, step: int, positions: list[int], indices: list[int]
@@ -48,7 +51,7 @@ class GoodputFaults(Faults):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def loss(self, loss, cursor: int, global_batch: int):  # type: ignore[no-untyped-def]
-        if self.slow_here_s:
+        if self.slow_here_s and self.slow_host in ("", socket.gethostname()):
             time.sleep(self.slow_here_s)
         return super().loss(loss, cursor, global_batch)
 

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tests.ansible.playbook_run import REPO, run_playbook, write_inventory
 from tests.ansible.systemd_site import build_offline_stacks, site_inventory
 from tests.rig import Rig
 from tests.trainer.faults import FAULTS_ENV, Faults
@@ -134,3 +135,21 @@ def install_ledger_hooks(rig: Rig, repo: Path) -> None:
         target = rig.shared_dir / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(repo / name, target)
+
+
+def provision(rig: Rig, work: Path, comm_env: dict[str, str] | None = None) -> Path:
+    """The module's cluster for a benchmark (no check run, no rerun): cgroups made writable,
+    site.yml's SITE_TAGS applied, the corpus prepared; the inventory's path. `comm_env` is the
+    jobs' rlm_comm_env (None: no test hooks, the trainer as shipped)."""
+    for name in COMPUTE:
+        remount_cgroups_writable(rig, name)
+    inventory = slurm_inventory(rig, work)
+    inventory["all"]["vars"].pop("rlm_comm_env")
+    if comm_env is not None:
+        inventory["all"]["vars"]["rlm_comm_env"] = comm_env
+    path = write_inventory(work / "slurm.yml", inventory)
+    site = run_playbook("site.yml", path, work, tags=SITE_TAGS, timeout=1800)
+    if site.rc != 0:
+        raise SystemExit(f"site.yml failed: {site.stderr[-2000:]}")
+    prepare_corpus(rig, REPO)
+    return path

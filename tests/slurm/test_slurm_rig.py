@@ -434,13 +434,17 @@ def ledger_lineage(run_dir: Path) -> dict[int, list[int]]:
     return by_step
 
 
-def test_watch_resubmits_a_failed_job_without_the_node_it_failed_on(cluster: Cluster) -> None:
+def test_watch_resubmits_without_the_failed_node_and_readmits_it_once_in_service(
+    cluster: Cluster,
+) -> None:
     """The trainer SIGKILLed on one node of a 2-node job: the job fails, `watch` names that node
-    (its exit record came first), resubmits with it excluded, and the run finishes from its
-    checkpoint on the two other nodes with the same global batch; the sample ledger holds every
-    sample of the run's lineage exactly once."""
+    (its exit record came first), resubmits with it excluded, and the run goes on from its
+    checkpoint on the two other nodes with the same global batch. Then a node of that job is
+    killed too: of the 3 compute nodes only the first victim is left to pair with, and Slurm has
+    it idle, so watch lets it back in (one strike of two) and the run finishes there. The sample
+    ledger holds every sample of the run's lineage exactly once."""
     assert cluster.first.rc == 0
-    rig, run, steps = cluster.rig, "slurm-watch", 150
+    rig, run, steps = cluster.rig, "slurm-watch", 300
     overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=5"]
     argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2"]
     launched = rlmctl("-i", str(cluster.inventory), *argv, *overrides, timeout=180)
@@ -453,20 +457,30 @@ def test_watch_resubmits_a_failed_job_without_the_node_it_failed_on(cluster: Clu
         text=True,
         cwd=REPO,
     )
-    try:
-        first = wait_for(
+
+    def running_with_checkpoint(other_than: str | None, step: int) -> dict:
+        return wait_for(
             lambda: (
                 (s := status_of(cluster, run))
                 and s["slurm"]["state"] == "RUNNING"
-                and ((s.get("checkpoint") or {}).get("step") or 0) >= 5
+                and s["slurm"]["job_id"] != other_than
+                and ((s.get("checkpoint") or {}).get("step") or 0) >= step
                 and s
             ),
             240,
-            "a checkpoint of the first job",
+            f"a checkpoint at step {step} of a job after {other_than}",
         )
+
+    try:
+        first = running_with_checkpoint(None, 5)
         victim = hostnames(cluster, first["slurm"]["nodes"])[-1]
         # torchrun and its worker; the node's wrapper (the batch script's) lives on to tell.
         rig.exec(victim, "pkill -KILL -f '[t]rainer train'")
+        second = running_with_checkpoint(first["slurm"]["job_id"], first["checkpoint"]["step"] + 5)
+        second_nodes = hostnames(cluster, second["slurm"]["nodes"])
+        assert victim not in second_nodes and len(second_nodes) == 2, (victim, second_nodes)
+        victim2 = second_nodes[-1]
+        rig.exec(victim2, "pkill -KILL -f '[t]rainer train'")
         output, _ = watcher.communicate(timeout=420)
     finally:
         if watcher.poll() is None:
@@ -475,19 +489,23 @@ def test_watch_resubmits_a_failed_job_without_the_node_it_failed_on(cluster: Clu
     assert watcher.returncode == 0, output
     final = status_of(cluster, run)
     assert final["state"] == "done" and final["step"] == steps, (final, output)
-    assert final["slurm"]["job_id"] != first["slurm"]["job_id"], output
+    assert final["slurm"]["job_id"] not in (first["slurm"]["job_id"], second["slurm"]["job_id"])
     assert final["slurm"]["state"] == "COMPLETED", final
-    second = hostnames(cluster, final["slurm"]["nodes"])
-    assert victim not in second and len(second) == 2, (victim, second)
+    third = hostnames(cluster, final["slurm"]["nodes"])
+    assert victim in third and victim2 not in third and len(third) == 2, (victim, victim2, third)
     run_dir = RunDir(Path(final["run_dir"]))
     events = run_dir.events()
     failures = [e for e in events if e.kind == "failure"]
-    assert len(failures) == 1 and failures[0].fields["nodes"] == [victim], (failures, output)
+    assert [f.fields["nodes"] for f in failures] == [[victim], [victim2]], (failures, output)
     assert failures[0].fields["job_id"] == first["slurm"]["job_id"]
-    assert [e.fields["hosts"] for e in events if e.kind == "excluded"] == [[victim]]
-    # The resumed job started from a checkpoint of the first (interval 5), with the same batch.
+    assert [e.fields["hosts"] for e in events if e.kind == "excluded"] == [[victim], [victim2]]
+    readmitted = [e for e in events if e.kind == "readmitted"]
+    assert [e.fields["hosts"] for e in readmitted] == [[victim]], output
+    assert readmitted[0].fields["strikes"] == {victim: 1}
+    assert f"readmitting {victim} ({victim}: Slurm has it idle" in output, output
+    # Each resumed job started from a checkpoint of the one before (interval 5), same batch.
     assert_ledger_exact(run_dir.path, steps)
-    assert run_dir.restarts() >= 1
+    assert run_dir.restarts() >= 2
 
 
 def assert_ledger_exact(run_dir: Path, steps: int, global_batch: int = 8) -> None:
