@@ -8,12 +8,12 @@ process of the run on one host of the current attempt (launcher, torchrun, worke
 schedule (seeded, from the launch) for both runs. One host is slow (its worker sleeps per
 micro-batch: a straggler), so the first restart also leaves it out.
 
-`--backend slurm`: the Slurm cluster of tests/slurm (1 mgmt + 3 compute systemd nodes, real
-slurmctld/slurmd/munge/slurmdbd, set up by site.yml first: ~6 min) runs 2-node jobs of the same
-model; a kill SIGKILLs the trainer (torchrun and its worker) on a node of the running job, whose
-wrapper lives on to write the exit record; node3 is the slow one. With 3 nodes for 2-node jobs,
-the run lasts only because watch lets a node that failed once back in once Slurm has it in
-service (`--strikes`, default 2).
+`--backend slurm`: the Slurm cluster of tests/slurm with a fourth compute node (1 mgmt + 4
+compute systemd nodes, real slurmctld/slurmd/munge/slurmdbd, set up by site.yml first: ~7 min)
+runs 2-node jobs of the same model; a kill SIGKILLs the trainer (torchrun and its worker) on a
+node of the running job, whose wrapper lives on to write the exit record; node3 is the slow one.
+With the straggler out, 3 nodes are left for 2-node jobs: the run lasts only because watch lets a
+node that failed once back in once Slurm has it in service (`--strikes`, default 2).
 
 Run (a) keeps the configured interval; run (b) lets watch set it from the measured failure rate
 and checkpoint stall (Young/Daly) on every restart. Prints, per run, the goodput and each part of
@@ -51,7 +51,9 @@ from tests.slurm import slurm_rig  # noqa: E402
 
 HOSTS = 4
 SLOW_HOST = "node3"
-SLURM_NODES = 2  # of slurm_rig.COMPUTE's 3, per job
+# Slurm: node1 mgmt and 4 compute nodes for 2-node jobs: with the straggler left out, one spare
+# for a failed node to sit out an attempt on.
+SLURM_RIG_NODES, SLURM_NODES = 5, 2
 TINY = REPO / "trainer" / "configs" / "tiny.yaml"
 
 
@@ -81,7 +83,7 @@ def kill_ssh_host(rig: Rig, run: RunDir, rng: random.Random) -> tuple[str, int]:
 def kill_slurm_node(rig: Rig, run: RunDir, rng: random.Random) -> tuple[str, int]:
     """The trainer (torchrun and its worker) on one node of the running job."""
     find = "pgrep -f '[t]rainer train' || true"
-    nodes = [n for n in slurm_rig.COMPUTE if rig.exec(n, find).stdout.split()]
+    nodes = [h.name for h in rig.hosts[1:] if rig.exec(h.name, find).stdout.split()]
     if not nodes:
         return "-", 0
     node = rng.choice(nodes)
@@ -180,7 +182,7 @@ def main() -> None:
     nodes = SLURM_NODES if slurm else HOSTS
     work = Path(os.environ.get("RLM_BENCH_WORK", "/tmp/rlm-bench-goodput"))
     work.mkdir(parents=True, exist_ok=True)
-    rig_nodes, slot = (slurm_rig.NODES, 9) if slurm else (HOSTS, 8)
+    rig_nodes, slot = (SLURM_RIG_NODES, 9) if slurm else (HOSTS, 8)
     with Rig(rig_nodes, slot=slot, release="bookworm" if slurm else None) as rig:
         goodput_faults.install(rig.shared_dir, REPO)
         if slurm:

@@ -141,8 +141,8 @@ def provision(rig: Rig, work: Path, comm_env: dict[str, str] | None = None) -> P
     """The module's cluster for a benchmark (no check run, no rerun): cgroups made writable,
     site.yml's SITE_TAGS applied, the corpus prepared; the inventory's path. `comm_env` is the
     jobs' rlm_comm_env (None: no test hooks, the trainer as shipped)."""
-    for name in COMPUTE:
-        remount_cgroups_writable(rig, name)
+    for host in rig.hosts[1:]:  # node1 is mgmt, the rest compute (the rig may have more)
+        remount_cgroups_writable(rig, host.name)
     inventory = slurm_inventory(rig, work)
     inventory["all"]["vars"].pop("rlm_comm_env")
     if comm_env is not None:
