@@ -53,6 +53,7 @@ ENDED = frozenset(
 # off, `#`/`%` powering up/down, `@`/`^` reboot, `$` maintenance, `+` more states) means not yet;
 # `-` (planned by the backfill scheduler) is in service.
 IN_SERVICE = frozenset({"idle", "mixed", "allocated", "completing", "planned"})
+OUT = ("drain", "down", "fail")  # states (prefixes) of a node that jobs must avoid
 UNAVAILABLE = "Requested node configuration is not available"
 # What sbatch --test-only says when a job asks for more nodes than it can get, whether the
 # partition is too small or some of its nodes are out: the node count is not in the message.
@@ -723,27 +724,29 @@ class Backend:
             if r.get("launcher_exit_code", r["exit_code"]) != 0 and r.get("signalled") is not True
         )
         bad = {first[0][1]} if first else {n for n in nodes if n not in records}
-        if nodes:
-            argv = ["sinfo", "--noheader", "--Node", f"--nodes={','.join(nodes)}", "--format=%N|%T"]
-            for row in self.slurm(argv, "sinfo failed").stdout.splitlines():
-                node, _, state = row.strip().partition("|")
-                if state.startswith(("drain", "down", "fail")):
-                    bad.add(node)
+        bad |= {n for n, state in self.node_states(nodes).items() if state.startswith(OUT)}
         return sorted(bad)
+
+    def node_states(self, nodes: list[str]) -> dict[str, str]:
+        """Each of `nodes` with its `sinfo %T` state (a node is listed once per partition)."""
+        if not nodes:
+            return {}
+        argv = ["sinfo", "--noheader", "--Node", f"--nodes={','.join(nodes)}", "--format=%N|%T"]
+        rows = (
+            row.strip().partition("|")
+            for row in self.slurm(argv, "sinfo failed").stdout.splitlines()
+        )
+        return {node: state for node, _, state in rows if node}
 
     def in_service(self, hosts: list[str]) -> dict[str, str]:
         """The `hosts` Slurm has in service (`IN_SERVICE`): its health check (the role's
         HealthCheckProgram, rlmctl's host checks) drains a node that fails it, and a node an
         operator took out stays drained or down until resumed."""
-        if not hosts:
-            return {}
-        argv = ["sinfo", "--noheader", "--Node", f"--nodes={','.join(hosts)}", "--format=%N|%T"]
-        back = {}
-        for row in self.slurm(argv, "sinfo failed").stdout.splitlines():
-            node, _, state = row.strip().partition("|")
-            if node in hosts and state.rstrip("-") in IN_SERVICE:
-                back[node] = f"Slurm has it {state}"
-        return back
+        return {
+            node: f"Slurm has it {state}"
+            for node, state in self.node_states(hosts).items()
+            if node in hosts and state.rstrip("-") in IN_SERVICE
+        }
 
     def log_paths(self, run: RunDir, host: str | None) -> dict[str, Path]:
         """The job output files (all nodes' tasks are in one per job)."""
