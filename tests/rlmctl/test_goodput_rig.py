@@ -72,8 +72,11 @@ def test_watch_leaves_out_a_straggler_and_applies_the_measured_interval(
     g = goodput(run)
     assert sum(g.parts.values()) == pytest.approx(g.wall_s, abs=1e-6)
     assert g.failures == 1 and g.steps_kept == STEPS and g.steps_lost > 0
-    # the newest attempt's figures: two ranks, none of them on node2, no straggler left
+    # the newest attempt's figures: two ranks, none of them on node2. Status reads those, not the
+    # first attempt's where node2 stood out. With two ranks left on two busy cores either may
+    # still be 1.2x the other (rank 0 did 1.42x once under a full `make test`), so status may
+    # flag one of them: never node2.
     ranks = RankWindows.read(run)
     assert ranks is not None and sorted(ranks.hosts) == ["node1", "node3"]
     status = json.loads(rlmctl(*inv, "status", name, "--json").stdout)
-    assert status["goodput"]["stragglers"] == []
+    assert {s["host"] for s in status["goodput"]["stragglers"]} <= {"node1", "node3"}
