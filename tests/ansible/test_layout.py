@@ -3,6 +3,7 @@ default it defines; the example inventory has the groups and variables rlmctl an
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -61,3 +62,20 @@ def test_example_inventory_shape() -> None:
         assert knob in group_vars["all"], knob
     assert group_vars["compute_amd"]["rlm_gpu_vendor"] == "amd"
     assert group_vars["compute_nvidia"]["rlm_gpu_vendor"] == "nvidia"
+
+
+def test_one_ansible_core_floor_for_the_package_the_collection_and_every_role() -> None:
+    """pyproject's ansible-core floor is meta/runtime.yml's requires_ansible (which preflight.yml
+    checks the controller against) and every role's min_ansible_version."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    (core,) = [
+        d for d in project["optional-dependencies"]["controller"] if d.startswith("ansible-core")
+    ]
+    floor = re.fullmatch(r"ansible-core>=(\d+\.\d+)", core)
+    assert floor, core
+    runtime = yaml.safe_load((REPO / "meta/runtime.yml").read_text())
+    assert runtime["requires_ansible"] == f">={floor.group(1)}.0"
+    for role in ROLES:
+        meta = yaml.safe_load((role / "meta/main.yml").read_text())
+        assert str(meta["galaxy_info"]["min_ansible_version"]) == floor.group(1), role.name
