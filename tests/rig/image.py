@@ -29,7 +29,7 @@ from pathlib import Path
 from tests.rig.errors import RigError
 
 IMAGE_ROOT = Path("/var/tmp/rlm-rig-images")
-IMAGE_FORMAT = 1
+IMAGE_FORMAT = 2  # 2: dpkg without fsync
 REPO_MOUNT = "/srv/rlm-rig-repo"
 SUITES = ("bookworm", "trixie")  # Debian 12 and 13
 BUILD_TIMEOUT_S = 1800
@@ -134,7 +134,11 @@ def ensure_image(suite: str) -> Image:
 _DOWNLOAD_HOOK = 'chroot "$1" apt-get install --download-only --yes --no-install-recommends '
 
 # Then make the root a bare node of the rig: no registry, per-node host keys and machine id.
+# dpkg skips its fsyncs (force-unsafe-io, as container images do): the nodes are thrown away
+# after the test, and the roles' apt tasks then install packages in two thirds of the time
+# (build-essential and the base list on an idle machine: 9.7 s against 14.4 s).
 _FINISH_HOOK = r"""
+echo force-unsafe-io > "$1"/etc/dpkg/dpkg.cfg.d/rlm-rig-unsafe-io
 rm -f "$1"/etc/apt/sources.list "$1"/etc/apt/sources.list.d/*
 echo 'deb [trusted=yes] file:{mount} ./' > "$1"/etc/apt/sources.list.d/rlm-rig-repo.list
 rm -f "$1"/etc/ssh/ssh_host_*
