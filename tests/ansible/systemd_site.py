@@ -152,7 +152,9 @@ def connection_vars(rig: Rig) -> dict[str, dict[str, str]]:
 def site_inventory(
     rig: Rig, wheelhouse: Path, stacks: dict[str, Path], offline: dict[str, Path] | None = None
 ) -> dict[str, Any]:
-    """The rig's hosts in the example inventory's shape: mgmt + compute groups per release.
+    """The rig's hosts in the example inventory's shape: mgmt + compute groups per release. A
+    release's first node is its mgmt node, the others compute nodes; a release with one node is
+    a one-node site, its node in both groups.
 
     Nodes take the bundle from `wheelhouse` and torch from their release's site stack, except
     the nodes in `offline` (name -> full wheelhouse), which install everything from theirs."""
@@ -188,7 +190,11 @@ def site_inventory(
             "children": {
                 "mgmt": {"hosts": {name: None for name in mgmt}},
                 "compute": {
-                    "hosts": {h.name: None for h in rig.hosts if h.name not in mgmt},
+                    "hosts": {
+                        name: None
+                        for names in by_release.values()
+                        for name in (names if len(names) == 1 else names[1:])
+                    },
                 },
                 **release_groups,
             },

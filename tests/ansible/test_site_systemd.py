@@ -1,6 +1,6 @@
 """site.yml on bare systemd nodes, as a new user meets it: a mgmt node and two compute nodes of
-Debian 12, a mgmt node and a compute node of Debian 13 (tests/rig/booted.py), the example
-inventory's shape (vendor none, no Lustre).
+Debian 12 in the example inventory's shape, and a one-node Debian 13 site whose node is both mgmt
+and compute (tests/rig/booted.py); vendor none, no Lustre.
 
 The nodes start with what the first runs on real nodes tripped over: no service user, no chrony, no
 nftables, no python3-packaging, and a cloud image's `50-cloud-init.conf` turning password login on.
@@ -10,9 +10,9 @@ reaches the exporters, Prometheus and Alertmanager); the reboot test comes last.
 
 The air-gapped site (its own section below): preflight names what a node cannot fetch; verify.yml
 and `rlmctl health` give one verdict on the shared directory. With RLM_TEST_FULL_WHEELHOUSES=1,
-one more compute node of each release (node4, Debian 12; node7, Debian 13) installs torch, the
+one more compute node of each release (node4, Debian 12; node6, Debian 13) installs torch, the
 bundle and every dependency from full wheelhouses built by `rlmctl wheelhouse` for their Python (cp311: 262 MiB, cp313: 2.7 GB of
-PyPI's CUDA torch and its nvidia-* wheels), offline, and a short training runs on node7. That adds
+PyPI's CUDA torch and its nvidia-* wheels), offline, and a short training runs on node6. That adds
 about 20-25 min to the module on a fresh 2-core machine (two builds, the wheels copied to the nodes,
 torch installed twice), so `make test` leaves it out; `make test-wheelhouses` runs it.
 """
@@ -60,21 +60,26 @@ FULL_WHEELHOUSES = os.environ.get("RLM_TEST_FULL_WHEELHOUSES") == "1"
 needs_full_wheelhouses = pytest.mark.skipif(
     not FULL_WHEELHOUSES, reason="RLM_TEST_FULL_WHEELHOUSES=1 (make test-wheelhouses) runs it"
 )
-# The module's fixture runs site.yml three times on 5 nodes (7 with the full wheelhouses); with
+# The module's fixture runs site.yml three times on 4 nodes (6 with the full wheelhouses); with
 # the full wheelhouses it builds two of them (cached until the bundle changes) first.
 pytestmark = [pytest.mark.rig, pytest.mark.timeout(7200 if FULL_WHEELHOUSES else 3600)]
 SLOT = 6  # see docs/rig.md for the slots of each module
 # Debian 12: a mgmt node and two compute nodes (the alerting tests need a quiet one beside the
-# one they break); Debian 13: a mgmt node and a compute node. The full wheelhouses add a compute
-# node per release for their installs. Each node costs every site.yml run its ~240 tasks.
+# one they break); Debian 13: one node, mgmt and compute (a one-node site: a separate mgmt node
+# of its own cost every site.yml run ~240 more tasks, a fifth of the module's provisioning).
+# The full wheelhouses add a compute node per release for their installs.
 BOOKWORM_NODES = 4 if FULL_WHEELHOUSES else 3
-TRIXIE_NODES = 3 if FULL_WHEELHOUSES else 2
+TRIXIE_NODES = 2 if FULL_WHEELHOUSES else 1
 RELEASES = ["bookworm"] * BOOKWORM_NODES + ["trixie"] * TRIXIE_NODES
 MGMT = ("node1", f"node{BOOKWORM_NODES + 1}")
 # The Debian 12 and Debian 13 nodes that install everything from the full wheelhouses (opt-in).
 BOOKWORM_OFFLINE, TRIXIE_OFFLINE = f"node{BOOKWORM_NODES}", f"node{len(RELEASES)}"
-# The Debian 13 compute node that is not the offline one: the preflight test breaks its sources.
-TRIXIE_SPARE = f"node{BOOKWORM_NODES + 2}"
+# The Debian 13 mgmt node, a compute node too when it is the release's only one (without the full
+# wheelhouses); the preflight test breaks its sources.
+TRIXIE_SPARE = MGMT[1]
+# A Debian 13 compute node: the last node (the one-node site's; the offline one with the full
+# wheelhouses).
+TRIXIE_COMPUTE = f"node{len(RELEASES)}"
 PASSWORD = "Rig-password-1"  # of a throwaway account on throwaway nodes
 CLOUD_INIT_SSHD = "/etc/ssh/sshd_config.d/50-cloud-init.conf"
 EVERY_NODE_UNITS = ("ssh", "nftables", "prometheus-node-exporter", "rlm-exporter")
@@ -323,7 +328,7 @@ def test_rlmctl_starts_the_trainer_in_its_own_unit_of_the_slice(site: Site) -> N
     run_dir = rig.shared_dir / "runs" / "slice-probe"
     run_dir.mkdir(parents=True, exist_ok=True)
     inventory = load_inventory(site.inventory)
-    for host in (rig.host("node2"), rig.host(TRIXIE_SPARE)):  # a compute node of each release
+    for host in (rig.host("node2"), rig.host(TRIXIE_COMPUTE)):  # a compute node of each release
         ident = {"run_dir": str(run_dir), "host": host.name}
         # What `rlmctl launch` sends, with a worker in a session of its own (as torchrun's
         # are) instead of the trainer.
@@ -366,7 +371,8 @@ def test_prometheus_and_alertmanager_answer_only_mgmt_and_admin_sources(site: Si
     rig = site.rig
     for mgmt_name in MGMT:
         mgmt = rig.host(mgmt_name)
-        compute = next(h for h in rig.hosts if h.release == mgmt.release and h.name != mgmt_name)
+        # A compute node of the cluster (the one-node Debian 13 site has no other of its own).
+        compute = next(h for h in rig.hosts if h.name not in MGMT)
         for port in (9090, 9093):
             # The controller is in rlm_admin_sources; the mgmt host reaches its own address.
             assert connect_from_real_host(mgmt.ip, port) == "open", (mgmt_name, port)
