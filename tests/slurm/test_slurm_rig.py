@@ -270,17 +270,24 @@ def test_launch_trains_tiny_on_two_nodes_to_completion(cluster: Cluster) -> None
     assert "step 20/20" in logs
 
 
-def launch_and_stop(cluster: Cluster, run: str, steps: int, at_step: int) -> dict:
+def launch_and_stop(
+    cluster: Cluster, run: str, steps: int, at_step: int, inventory: Path | None = None
+) -> dict:
     """Launch `tiny` on 2 nodes (no interval checkpoint), `rlmctl stop` it once it reaches
     `at_step`; its status after the stop."""
+    inventory = inventory or cluster.inventory
     overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=1000"]
     argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2"]
-    result = rlmctl("-i", str(cluster.inventory), *argv, *overrides, timeout=180)
+    result = rlmctl("-i", str(inventory), *argv, *overrides, timeout=180)
     assert result.returncode == 0, result.stderr
-    wait_for(lambda: (status_of(cluster, run).get("step") or 0) >= at_step, 240, f"step {at_step}")
-    stopped = rlmctl("-i", str(cluster.inventory), "stop", run, "--timeout", "90", timeout=240)
+    wait_for(
+        lambda: (status_of(cluster, run, inventory).get("step") or 0) >= at_step,
+        240,
+        f"step {at_step}",
+    )
+    stopped = rlmctl("-i", str(inventory), "stop", run, "--timeout", "90", timeout=240)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    return status_of(cluster, run)
+    return status_of(cluster, run, inventory)
 
 
 def test_stop_mid_run_checkpoints_and_cancels(cluster: Cluster) -> None:
@@ -334,10 +341,16 @@ def test_each_rank_runs_on_the_cpus_its_nodes_plan_gives_it(
         rlmctl("-i", str(inventory), "stop", run, "--timeout", "90", timeout=240)
 
 
-def test_resume_after_stop_finishes_in_the_same_run_directory(cluster: Cluster) -> None:
+def test_resume_after_stop_finishes_in_the_same_run_directory(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The first job's steps are held back (PACED_ENV, 0.35 s each) so that it cannot end before
+    the stop; the resume runs at full speed with the module's inventory."""
     assert cluster.first.rc == 0
-    run, steps = "slurm-resume", 400
-    before = launch_and_stop(cluster, run, steps, at_step=3)
+    run, steps = "slurm-resume", 120
+    before = launch_and_stop(
+        cluster, run, steps, at_step=3, inventory=paced_inventory(cluster, tmp_path)
+    )
     assert before["state"] == "stopped" and before["checkpoint"]["valid"], before
     assert 3 <= before["checkpoint"]["step"] < steps, before
     first_job = before["slurm"]["job_id"]
