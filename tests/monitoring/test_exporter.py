@@ -351,7 +351,18 @@ def test_unreadable_or_malformed_run_files_are_counted_and_exported(tmp_path, ru
         "--run-root", str(runs), "--run-dir", str(elsewhere.path),
         "--interval", "0.5", "--gpu-source", "none",
     )  # fmt: skip
-    samples = scrape_after_errors(port, "rundir", 2)  # both runs
+    # Both runs counted, in a scrape of a finished probe: the probe counts each error as it
+    # meets it and publishes the runs when it ends, so a scrape in between (seen under a full
+    # `make test`) had the errors but no probe result yet (the source not up, no run series).
+    samples = wait_for(
+        lambda: (
+            (s := scrape(port))
+            and (value(s, "rlm_exporter_errors_total", source="rundir") or 0) >= 2
+            and value(s, "rlm_run_step", run="good") is not None
+            and s
+        ),
+        what="a finished rundir probe with both runs' errors",
+    )
     assert value(samples, "rlm_run_unreadable", run="garbled", file="status.json") == 1
     assert value(samples, "rlm_run_unreadable", run="locked", file="events.jsonl") == 1
     assert value(samples, "rlm_run_unreadable", run="good", file="status.json") is None
