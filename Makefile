@@ -13,7 +13,7 @@ TEST_SYSTEM_PACKAGES := openssh-server openssh-client prometheus prometheus-aler
 	mmdebstrap systemd-container apt-utils rocm-smi python3-firewall gpg podman runc
 DEMO_SYSTEM_PACKAGES := procps
 
-.PHONY: demo check test test-wheelhouses lint bench venv clean
+.PHONY: demo check unit-tests test test-wheelhouses lint bench venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,8 +52,13 @@ lint: venv
 # The fast lane for daily work: lint, types and the unit tests: none that needs the rig or
 # ansible-playbook (tests/conftest.py marks those; RLM_TEST_LANE=check refuses a playbook run
 # that escaped the marker), none marked `integration` (whole multi-process runs, tens of seconds
-# each). No system packages needed beyond what the venv brings.
-check: lint
+# each). No system packages needed beyond what the venv brings. Lint and the tests run side by
+# side, each one's output printed whole when it ends: lint alone is a minute of mostly one core
+# (ansible-lint), which the tests' two workers leave partly idle.
+check: venv
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint unit-tests
+
+unit-tests: venv
 	RLM_TEST_LANE=check $(BIN)/pytest -n 2 -m "not rig and not playbook and not integration" $(PYTEST_ARGS)
 
 # Two workers, a test file at a time each: the rig modules wait on daemons much of the time

@@ -220,6 +220,7 @@ def test_a_query_without_series_is_no_data(prometheus: str) -> None:
         accept.prom_query(prometheus, "rate(")
 
 
+@pytest.mark.integration  # waits for the network share's first whole minute: up to ~60 s
 def test_report_plots_utilisation_and_network_from_prometheus(prometheus: str) -> None:
     _wait_for_data(prometheus)
     limits = accept.thresholds(None)
