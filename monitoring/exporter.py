@@ -78,13 +78,16 @@ class Source:
         self._stop.set()
 
     def refresh(self) -> None:
-        try:
-            result, ok = self.probe(), True
-        except Exception as error:  # a source must never take the exporter down
-            result, ok = None, False
-            self._errors.count(self.name, error)
-        with self._lock:
-            self._result, self._ok, self._updated = result, ok, time.monotonic()
+        # What the probe counts as it goes (a file it could not read) shows with the result it
+        # publishes, not while it still runs: a scrape never sees the errors without their run.
+        with self._errors.held():
+            try:
+                result, ok = self.probe(), True
+            except Exception as error:  # a source must never take the exporter down
+                result, ok = None, False
+                self._errors.count(self.name, error)
+            with self._lock:
+                self._result, self._ok, self._updated = result, ok, time.monotonic()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -121,12 +124,31 @@ class ErrorCounts:
         self._clock = clock
         self._last_logged: dict[str, float] = {}
         self._unlogged: dict[str, int] = {}
+        self._held = threading.local()  # .pending: this thread's errors inside held()
 
     def add_source(self, source: str) -> None:
         with self._lock:
             self.counts.setdefault(source, 0)
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Errors this thread counts inside are applied when it ends."""
+        self._held.pending = []
+        try:
+            yield
+        finally:
+            pending, self._held.pending = self._held.pending, None
+            for source, error in pending:
+                self._apply(source, error)
+
     def count(self, source: str, error: BaseException | str) -> None:
+        pending = getattr(self._held, "pending", None)
+        if pending is not None:
+            pending.append((source, error))
+        else:
+            self._apply(source, error)
+
+    def _apply(self, source: str, error: BaseException | str) -> None:
         now = self._clock()
         with self._lock:
             self.counts[source] = self.counts.get(source, 0) + 1

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -327,6 +328,31 @@ def test_warnings_are_rate_limited_per_source(caplog) -> None:
     assert len(lines) == 2, lines
     assert "59 more errors since the last line" in lines[1]
     assert dict(errors.items()) == {"nvidia-smi": 120}
+
+
+def test_a_probes_errors_appear_with_its_result_not_while_it_runs() -> None:
+    """A probe that meets an unreadable file counts it and goes on; the error belongs to the
+    result it publishes at the end. Counted at once, a scrape taken meanwhile showed the error
+    beside the previous result, or none (the run probe, a race a test tripped over)."""
+    errors = exporter.ErrorCounts(["rundir"])
+    met_the_error, may_finish = threading.Event(), threading.Event()
+
+    def probe() -> str:
+        errors.count("rundir", "cannot read status.json of run directory /runs/a")
+        met_the_error.set()
+        assert may_finish.wait(30)
+        return "runs"
+
+    source = exporter.Source("rundir", probe, interval_s=60, errors=errors)
+    refresh = threading.Thread(target=source.refresh)
+    refresh.start()
+    assert met_the_error.wait(30)
+    assert (dict(errors.items()), source.snapshot()) == ({"rundir": 0}, (False, None))
+    may_finish.set()
+    refresh.join(30)
+    assert (dict(errors.items()), source.snapshot()) == ({"rundir": 1}, (True, "runs"))
+    errors.count("rundir", "counted at once outside a probe")
+    assert dict(errors.items()) == {"rundir": 2}
 
 
 def test_no_gpu_tool_means_no_gpu_series(tool_bin, run_exporter, monkeypatch) -> None:
