@@ -212,13 +212,12 @@ def test_hanging_tool_counts_errors_drops_gpu_series_and_keeps_serving(
     wait_for(lambda: value(scrape(port), GPU_SERIES, gpu="0") == 71, what="recovery")
 
 
-def scrape_after_errors(port: int, source: str, at_least: int, ready=lambda samples: True):
-    """The first scrape that counts at least `at_least` errors of `source` and is `ready`."""
+def scrape_after_errors(port: int, source: str, at_least: int):
+    """The first scrape that counts at least `at_least` errors of `source`."""
     return wait_for(
         lambda: (
             (s := scrape(port))
             and (value(s, "rlm_exporter_errors_total", source=source) or 0) >= at_least
-            and ready(s)
             and s
         ),
         what=f"{at_least} {source} errors",
@@ -378,12 +377,9 @@ def test_unreadable_or_malformed_run_files_are_counted_and_exported(tmp_path, ru
         "--run-root", str(runs), "--run-dir", str(elsewhere.path),
         "--interval", "0.5", "--gpu-source", "none",
     )  # fmt: skip
-    # Both runs counted, in a scrape of a finished probe: the probe counts each error as it
-    # meets it and publishes the runs when it ends, so a scrape in between (seen under a full
-    # `make test`) had the errors but no probe result yet (the source not up, no run series).
-    samples = scrape_after_errors(
-        port, "rundir", 2, ready=lambda s: value(s, "rlm_run_step", run="good") is not None
-    )
+    # Both runs counted: the errors show with the probe result they belong to (Source.refresh),
+    # so the first scrape that has them has the runs too; it once had the errors alone.
+    samples = scrape_after_errors(port, "rundir", 2)
     assert value(samples, "rlm_run_unreadable", run="garbled", file="status.json") == 1
     assert value(samples, "rlm_run_unreadable", run="locked", file="events.jsonl") == 1
     assert value(samples, "rlm_run_unreadable", run="good", file="status.json") is None
