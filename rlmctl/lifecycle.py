@@ -44,6 +44,7 @@ from runcontract.config import Config, check_world_size, dump_yaml, load_config,
 from runcontract.errors import UserError
 from runcontract.exitcodes import restartable
 from runcontract.interval import IntervalChoice
+from runcontract.records import Event
 from runcontract.rundir import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -777,8 +778,12 @@ def follow(backend: Backend, run: RunDir, policy: WatchPolicy, say: Say) -> Fail
                 reason = f"trainer stopped on a signal at step {status.step} (preempted)"
                 return Failure(reason, None, probe, preempted=True)
             return Failure(probe.ended, run.attempt_exit_code(), probe)
-        if probe.gone:
-            gone = ", ".join(sorted(probe.gone))
+        # A host whose ranks all finished leaves before rank 0 has written the last checkpoint
+        # and said done: only a host that ended otherwise is a failure. Should the rest then
+        # hang, the stall clock below catches it.
+        failed = sorted(set(probe.gone) - finished_hosts(run, events))
+        if failed:
+            gone = ", ".join(failed)
             return Failure(f"trainer process gone on {gone}", run.attempt_exit_code(), probe)
         if status.step != last_step or not probe.executing:  # pending or requeued: no clock
             if status.step != last_step and last_step is not None:
@@ -788,6 +793,17 @@ def follow(backend: Backend, run: RunDir, policy: WatchPolicy, say: Say) -> Fail
             stuck = f"no step progress for {policy.stall_s:g} s (stuck at step {status.step})"
             return Failure(stuck, None, probe)
         time.sleep(policy.poll_s)  # the supervisor's polling interval, not a synchronisation
+
+
+def finished_hosts(run: RunDir, events: list[Event]) -> set[str]:
+    """The hosts whose launcher ended this attempt with 0, torchrun's and the attempt's code
+    alike: their ranks reached the end (a crash elsewhere would have made either non-zero)."""
+    records = run.exit_records(run.attempt_since(events))
+    return {
+        host
+        for host, record in records.items()
+        if record["exit_code"] == 0 and record.get("launcher_exit_code", 0) == 0
+    }
 
 
 def give_up(run: RunDir, message: str, say: Say) -> int:

@@ -448,48 +448,55 @@ def ledger_lineage(run_dir: Path) -> dict[int, list[int]]:
 
 
 def test_watch_resubmits_without_the_failed_node_and_readmits_it_once_in_service(
-    cluster: Cluster,
+    cluster: Cluster, tmp_path: Path
 ) -> None:
     """The trainer SIGKILLed on one node of a 2-node job: the job fails, `watch` names that node
     (its exit record came first), resubmits with it excluded, and the run goes on from its
     checkpoint on the two other nodes with the same global batch. Then a node of that job is
     killed too: of the 3 compute nodes only the first victim is left to pair with, and Slurm has
     it idle, so watch lets it back in (one strike of two) and the run finishes there. The sample
-    ledger holds every sample of the run's lineage exactly once."""
+    ledger holds every sample of the run's lineage exactly once. Steps are held back (PACED_ENV)
+    so that no job can end before its kill."""
     assert cluster.first.rc == 0
-    rig, run, steps = cluster.rig, "slurm-watch", 300
+    rig, run, steps = cluster.rig, "slurm-watch", 120
+    inventory = paced_inventory(cluster, tmp_path)
     overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=5"]
     argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2"]
-    launched = rlmctl("-i", str(cluster.inventory), *argv, *overrides, timeout=180)
+    launched = rlmctl("-i", str(inventory), *argv, *overrides, timeout=180)
     assert launched.returncode == 0, launched.stderr
     watch = ["watch", run, "--poll", "1", "--backoff", "1", "--stall", "180"]
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "rlmctl", "-i", str(cluster.inventory), *watch],
+        [sys.executable, "-m", "rlmctl", "-i", str(inventory), *watch],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=REPO,
     )
 
-    def running_with_checkpoint(other_than: str | None, step: int) -> dict:
-        return wait_for(
-            lambda: (
-                (s := status_of(cluster, run))
-                and s["slurm"]["state"] == "RUNNING"
-                and s["slurm"]["job_id"] != other_than
-                and ((s.get("checkpoint") or {}).get("step") or 0) >= step
-                and s
-            ),
-            240,
-            f"a checkpoint at step {step} of a job after {other_than}",
-        )
+    def training(other_than: str | None, since: float) -> dict:
+        """The run's status once a job other than `other_than` trains: its trainer started
+        after `since` (every rank is up) and has saved 5 steps past where it started. A job
+        that is RUNNING may not have started its trainer yet, and an older checkpoint proves
+        nothing of the new job."""
+
+        def saved_since_start() -> dict | None:
+            s = status_of(cluster, run, inventory)
+            if not s or s["slurm"]["state"] != "RUNNING" or s["slurm"]["job_id"] == other_than:
+                return None
+            events = RunDir(Path(s["run_dir"])).events()
+            starts = [e.fields["step"] for e in events if e.kind == "start" and e.time > since]
+            saved = (s.get("checkpoint") or {}).get("step") or 0
+            return s if starts and saved >= starts[-1] + 5 else None
+
+        return wait_for(saved_since_start, 240, f"a job after {other_than} saving 5 steps")
 
     try:
-        first = running_with_checkpoint(None, 5)
+        first = training(None, 0.0)
         victim = hostnames(cluster, first["slurm"]["nodes"])[-1]
         # torchrun and its worker; the node's wrapper (the batch script's) lives on to tell.
+        killed = time.time()
         rig.exec(victim, "pkill -KILL -f '[t]rainer train'")
-        second = running_with_checkpoint(first["slurm"]["job_id"], first["checkpoint"]["step"] + 5)
+        second = training(first["slurm"]["job_id"], killed)
         second_nodes = hostnames(cluster, second["slurm"]["nodes"])
         assert victim not in second_nodes and len(second_nodes) == 2, (victim, second_nodes)
         victim2 = second_nodes[-1]
@@ -500,7 +507,7 @@ def test_watch_resubmits_without_the_failed_node_and_readmits_it_once_in_service
             watcher.kill()
             watcher.communicate()
     assert watcher.returncode == 0, output
-    final = status_of(cluster, run)
+    final = status_of(cluster, run, inventory)
     assert final["state"] == "done" and final["step"] == steps, (final, output)
     assert final["slurm"]["job_id"] not in (first["slurm"]["job_id"], second["slurm"]["job_id"])
     assert final["slurm"]["state"] == "COMPLETED", final
