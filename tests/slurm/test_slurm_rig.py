@@ -458,7 +458,7 @@ def test_watch_resubmits_without_the_failed_node_and_readmits_it_once_in_service
     ledger holds every sample of the run's lineage exactly once. Steps are held back (PACED_ENV)
     so that no job can end before its kill."""
     assert cluster.first.rc == 0
-    rig, run, steps = cluster.rig, "slurm-watch", 120
+    rig, run, steps = cluster.rig, "slurm-watch", 60
     inventory = paced_inventory(cluster, tmp_path)
     overrides = [*TINY, f"train.steps={steps}", "checkpoint.interval_steps=5"]
     argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2"]
