@@ -13,7 +13,7 @@ TEST_SYSTEM_PACKAGES := openssh-server openssh-client prometheus prometheus-aler
 	mmdebstrap systemd-container apt-utils rocm-smi python3-firewall gpg podman runc
 DEMO_SYSTEM_PACKAGES := procps
 
-.PHONY: demo check unit-tests test test-wheelhouses lint bench venv clean
+.PHONY: demo check unit-tests test test-cpu test-wheelhouses lint bench venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,13 @@ test: venv
 	$(call ensure_packages,$(TEST_SYSTEM_PACKAGES))
 	$(MAKE) lint
 	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+
+# make test under the kernel's process accounting (root), then where its CPU went: the trainer's
+# ranks, ansible-playbook, the rig nodes, the tests' own processes; and per test file
+# (tests/suite_cpu.py).
+test-cpu: venv
+	$(BIN)/python -m tests.suite_cpu --keep .cache/make-test.pacct --timeline .cache/make-test.timeline \
+		-- $(MAKE) --no-print-directory test
 
 # The air-gapped site's full wheelhouses (cp311 and cp313, 3 GB) installed offline on a Debian 12
 # and a Debian 13 node, and a training on the latter: ~20-25 min more than test_site_systemd.py's

@@ -15,9 +15,11 @@ handed out first so that neither worker is left with one at the end.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from clusterspec import vendors
 from tests.ansible.playbook_run import run_playbook
 from tests.rig import Rig
 from tests.rig.layout import MAX_SLOTS, RIG_ID_ENV, rig_id_from_env
+from tests.suite_cpu import TIMELINE_ENV
 
 # Longest first, by their measured times (docs/rig.md, docs/provisioning.md); the rest keep their
 # collection order.
@@ -85,6 +88,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return SLOWEST_MODULES.index(module) if module in SLOWEST_MODULES else len(SLOWEST_MODULES)
 
     items.sort(key=rank)  # stable: within a module and among the rest, collection order holds
+
+
+def pytest_runtest_protocol(item: pytest.Item) -> None:
+    """With RLM_TEST_TIMELINE=FILE (`make test-cpu`): one line per test, where it runs, when it
+    starts: which worker process and test a process belongs to (tests/suite_cpu.py)."""
+    if timeline := os.environ.get(TIMELINE_ENV):
+        line = json.dumps({"pid": os.getpid(), "test": item.nodeid, "time": time.time()})
+        with open(timeline, "a", encoding="utf-8") as out:  # one short append: atomic
+            out.write(line + "\n")
 
 
 @pytest.fixture(scope="session")
