@@ -20,7 +20,8 @@ step is the trainer's, an ansible module on a node is the node's sshd's.
 The records are `struct acct_v3` (linux/acct.h, 64 bytes); times are comp_t (13-bit mantissa,
 3-bit base-8 exponent) in AHZ ticks (100 per second). acct(2) needs root (CAP_SYS_PACCT), and a
 PID namespace has one accounting file: this replaces any other for the run (then turns it off).
-Processes still alive at the end (daemons of a rig torn down later) are not counted.
+Processes still alive at the end (daemons of a rig torn down later) are not counted, and a
+process cannot be placed while its parent lives: read the records once the command ended.
 """
 
 from __future__ import annotations
@@ -174,15 +175,17 @@ def test_file_of(
     by_pid: dict[int, list[Process]],
     timeline: dict[int, list[tuple[float, str]]],
 ) -> str:
-    """The test file `process` belongs to (a worker lives the whole run: its PID is its own)."""
+    """The test file `process` belongs to: walking up to a child of a worker (a worker lives
+    the whole run, so a parent PID that is a worker's is that worker, recorded or not yet)."""
     if process.pid in timeline:
         return WORKERS
-    current = parent_of(process, by_pid)
+    current: Process | None = process
     for _ in range(64):
         if current is None:
             break
-        if current.pid in timeline:
-            started = [test for when, test in timeline[current.pid] if when <= process.start + 1]
+        if current.ppid in timeline:
+            tests = timeline[current.ppid]
+            started = [test for when, test in tests if when <= process.start + 1]
             return started[-1] if started else WORKERS
         current = parent_of(current, by_pid)
     return OUTSIDE
