@@ -59,7 +59,7 @@ CATEGORIES = (
     ("pip", "pip"),
     ("pytest", "tests: pytest, its workers and their subprocesses (rlmctl, trainer CLI)"),
 )
-OUTSIDE = "outside the command's tree"
+OUTSIDE = "outside the tree: detached (rlmctl's launcher, daemons) or not a test's (lint)"
 WORKERS = "(pytest's workers themselves)"
 # tests/conftest.py appends a line per test here when it is set: {"pid", "test", "time"}.
 TIMELINE_ENV = "RLM_TEST_TIMELINE"

@@ -27,7 +27,16 @@ def test_the_collection_holds_the_ansible_side_and_what_it_runs(installed: Path)
     assert f'\nversion = "{manifest["version"]}"\n' in pyproject
     top = {p.name for p in root.iterdir()}
     assert {"roles", "plugins", "playbooks", "meta", "clusterspec", "monitoring"} <= top
-    assert not top & {"tests", "trainer", "rlmctl", "docs", "inventory", ".venv", ".collections"}
+    assert not top & {
+        "tests",
+        "trainer",
+        "rlmctl",
+        "docs",
+        "inventory",
+        ".venv",
+        ".collections",
+        ".cache",
+    }
     assert {p.name for p in (root / "roles").iterdir()} == {
         p.name for p in (REPO / "roles").iterdir()
     }
