@@ -780,8 +780,9 @@ def follow(backend: Backend, run: RunDir, policy: WatchPolicy, say: Say) -> Fail
             return Failure(probe.ended, run.attempt_exit_code(), probe)
         # A host whose ranks all finished leaves before rank 0 has written the last checkpoint
         # and said done: only a host that ended otherwise is a failure. Should the rest then
-        # hang, the stall clock below catches it.
-        failed = sorted(set(probe.gone) - finished_hosts(run, events))
+        # hang, the stall clock below catches it. The exit records are read only then: most
+        # polls have no host gone.
+        failed = sorted(set(probe.gone) - finished_hosts(run, events)) if probe.gone else []
         if failed:
             gone = ", ".join(failed)
             return Failure(f"trainer process gone on {gone}", run.attempt_exit_code(), probe)

@@ -96,11 +96,17 @@ def read_records(data: bytes) -> Iterator[Process]:
         yield Process(pid, ppid, comm, cpu, float(btime), btime + etime / AHZ)
 
 
-def categorise(processes: list[Process]) -> dict[str, list[Process]]:
-    """Per category, its processes."""
+def index_by_pid(processes: list[Process]) -> dict[int, list[Process]]:
+    """Every record of each PID (`parent_of` tells a reused PID's processes apart)."""
     by_pid: dict[int, list[Process]] = collections.defaultdict(list)
     for process in processes:
         by_pid[process.pid].append(process)
+    return by_pid
+
+
+def categorise(processes: list[Process]) -> dict[str, list[Process]]:
+    """Per category, its processes."""
+    by_pid = index_by_pid(processes)
     out: dict[str, list[Process]] = collections.defaultdict(list)
     for process in processes:
         out[category_of(process, by_pid)].append(process)
@@ -161,9 +167,7 @@ def by_test_file(
     """CPU-seconds per test file: each process goes to the file whose test ran on its worker
     when it started (a module's fixture and daemons included; the session rig's sshd goes to
     the first file that used it, the commands run through it to the file that ran them)."""
-    by_pid: dict[int, list[Process]] = collections.defaultdict(list)
-    for process in processes:
-        by_pid[process.pid].append(process)
+    by_pid = index_by_pid(processes)
     out: dict[str, float] = collections.defaultdict(float)
     for process in processes:
         out[test_file_of(process, by_pid, timeline)] += process.cpu_s

@@ -11,7 +11,6 @@ dump-acct read the same bytes as the figures asserted below.
 
 from __future__ import annotations
 
-import collections
 import json
 from pathlib import Path
 
@@ -44,9 +43,7 @@ def test_records_read_as_dump_acct_reads_them(records: list[suite_cpu.Process]) 
 def test_each_process_goes_to_its_nearest_named_ancestor(
     records: list[suite_cpu.Process],
 ) -> None:
-    by_pid: dict[int, list[suite_cpu.Process]] = collections.defaultdict(list)
-    for p in records:
-        by_pid[p.pid].append(p)
+    by_pid = suite_cpu.index_by_pid(records)
     of = {(p.pid, p.comm): suite_cpu.category_of(p, by_pid) for p in records}
     assert of[(18004, "g++")] == of[(17980, "pt_gloo_runloop")]  # a rank's compiler: the trainer's
     assert of[(18004, "g++")].startswith("trainer:")
