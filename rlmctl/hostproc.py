@@ -225,7 +225,7 @@ def stop_targets(processes):
     """Whom a stop's SIGTERM goes to: each root of the run's process tree on this host (the
     launcher shell, or a worker whose torchrun is gone) and the roots' children (torchrun).
     Not torchrun's workers: torchrun forwards the signal to them, and a worker that got it twice
-    would take the second as "exit now" and skip its checkpoint (trainer/train.py). Not a
+    would take the second as "exit now" and skip its checkpoint (trainer/stop_signals.py). Not a
     container's processes either (rlm_container_image: another PID namespace): `podman run`, a
     child of the launcher shell, passes the signal on to the container's first process
     (torchrun), whose parent (conmon) is not the run's, so it would count as a root."""

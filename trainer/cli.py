@@ -82,11 +82,20 @@ def train(
     ] = None,
 ) -> None:
     """Train (single process, or one worker of torchrun)."""
+    from trainer.stop_signals import StopSignals
+
+    # Before torch loads (seconds): torchrun SIGTERMs every rank once one fails, and a rank that
+    # is told to stop while it imports must still reach (and record) the same refusal.
+    signals = StopSignals()
+    signals.install()
     from trainer.config import load_config
     from trainer.train import train as run_training
 
-    cfg = load_config(config, overrides or [])
-    raise typer.Exit(int(run_training(cfg)))
+    try:
+        cfg = load_config(config, overrides or [])
+        raise typer.Exit(int(run_training(cfg, signals=signals)))
+    finally:
+        signals.restore()
 
 
 @app.command()

@@ -26,13 +26,11 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -52,41 +50,11 @@ from trainer.metrics import Reporter, StepResult
 from trainer.model import RecurrentLM, sample_recurrence
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.rundir import EventKind, ExitCode, RunDir, RunDirBusy, RunDirUnwritable
+from trainer.stop_signals import StopSignals
 
 log = logging.getLogger("trainer")
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class StopSignals:
-    """SIGTERM/SIGUSR1 ask for a clean stop after the current step; a second SIGTERM exits now."""
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self._previous: dict[int, Any] = {}
-        # Records the exit (status.json, an exit event) before a second SIGTERM ends the process
-        # at once: without it status.json would still say running.
-        self.on_abort: Callable[[], None] = lambda: None
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        if self.requested and signum == signal.SIGTERM:
-            # The operator insists: no checkpoint, restartable exit code.
-            sys.stderr.write(f"{name} again: exiting without a checkpoint\n")
-            try:
-                self.on_abort()
-            finally:
-                os._exit(ExitCode.FAILED)
-        self.requested = name
-        sys.stderr.write(f"{name}: stopping after this step and saving a checkpoint\n")
 
 
 def setup_logging(rank: int) -> None:
@@ -166,11 +134,16 @@ def set_deterministic(cfg: Config) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def train(cfg: Config, hooks: TrainHooks | None = None) -> ExitCode:
+def train(
+    cfg: Config, hooks: TrainHooks | None = None, signals: StopSignals | None = None
+) -> ExitCode:
     """Run training to `train.steps` (or until stopped); returns the process exit code.
 
     `hooks` (tests only; default: those named by RLM_TRAINER_HOOKS, else none) inject faults.
+    `signals`: handlers the caller installed earlier (the CLI, before torch loads); else here.
     """
+    if signals is not None:
+        return _setup_and_train(cfg, signals, hooks or hooks_from_env())
     # First of all: a SIGTERM while the data or a checkpoint loads must be a clean stop too.
     signals = StopSignals()
     signals.install()

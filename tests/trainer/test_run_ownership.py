@@ -151,6 +151,48 @@ def test_a_data_error_under_torchrun_is_exit_3_from_the_worker_and_one_refusal(
     assert [(k, f["exit_code"]) for k, f in refusals(run)] == [("start_refused", 3), ("exit", 3)]
 
 
+# `python -m trainer ARGS`, with a real SIGTERM to itself at the moment it starts to import
+# torch: where a rank is when torchrun stops it because a faster rank failed.
+SIGTERM_WHILE_TORCH_LOADS = """
+import os, runpy, signal, sys
+
+class SigtermOnTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+sys.meta_path.insert(0, SigtermOnTorch())
+sys.argv[0] = "trainer"
+runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_sigterm_while_torch_loads_still_records_the_refusal(
+    prepared_data: Path, tmp_path: Path
+) -> None:
+    """CI: under torchrun, rank 1 hit the missing data first and exited 3; torchrun's SIGTERM
+    reached rank 0 while it was still importing torch, before any handler, and nothing was
+    recorded. The trainer catches SIGTERM before it loads torch, so the rank that was told to
+    stop reaches the same refusal and records it."""
+    run = launched_run(tmp_path / "run")
+    missing = tmp_path / "no-such-data"
+    args = [*overrides(prepared_data, run.path), f"data.path={missing}"]
+    result = subprocess.run(
+        [sys.executable, "-c", SIGTERM_WHILE_TORCH_LOADS, "train", "--config", str(TINY), *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 3, (result.returncode, result.stderr[-3000:])
+    assert "SIGTERM: stopping" in result.stderr, result.stderr[-3000:]
+    assert f"error: data.path {missing} does not exist" in result.stderr, result.stderr[-3000:]
+    assert [(k, f["exit_code"]) for k, f in refusals(run)] == [("start_refused", 3), ("exit", 3)]
+
+
 @pytest.mark.integration
 def test_no_usable_checkpoint_is_not_a_silent_restart(prepared_data: Path, tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
