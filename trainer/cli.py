@@ -89,10 +89,11 @@ def train(
     signals = StopSignals()
     signals.install()
     from trainer.config import load_config
-    from trainer.train import train as run_training
 
     try:
-        cfg = load_config(config, overrides or [])
+        cfg = load_config(config, overrides or [])  # torch-free: a typo answers at once
+        from trainer.train import train as run_training
+
         raise typer.Exit(int(run_training(cfg, signals=signals)))
     finally:
         signals.restore()

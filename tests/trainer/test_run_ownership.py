@@ -53,6 +53,32 @@ def test_micro_batch_zero_is_one_line(prepared_data: Path, tmp_path: Path) -> No
     assert not (tmp_path / "run").exists()
 
 
+# `python -m trainer ARGS`, printing at exit whether torch was ever loaded.
+TORCH_LOADED_AT_EXIT = """
+import atexit, runpy, sys
+
+atexit.register(lambda: print("torch loaded:", "torch" in sys.modules))
+sys.argv[0] = "trainer"
+runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_config_error_answers_before_torch_loads(prepared_data: Path, tmp_path: Path) -> None:
+    """A typo in an override is one line in a fraction of a second: the config (torch-free) is
+    checked before the trainer loads torch (seconds, more on a busy login node)."""
+    args = overrides(prepared_data, tmp_path / "run", "train.micro_batch=0")
+    result = subprocess.run(
+        [sys.executable, "-c", TORCH_LOADED_AT_EXIT, "train", "--config", str(TINY), *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    one_error_line(result, 2, "train.micro_batch")
+    assert result.stdout.strip() == "torch loaded: False", result.stdout
+
+
 def test_a_misspelt_section_suggests_the_field(prepared_data: Path, tmp_path: Path) -> None:
     result = train(prepared_data, tmp_path / "run", "optimiser.weight_decay=0.1")
     one_error_line(result, 2, "did you mean 'optim.weight_decay'")
