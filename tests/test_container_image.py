@@ -27,6 +27,7 @@ from tests.rig import Rig, container
 from tests.rig.image import IMAGE_ROOT
 from tests.rlmctl.conftest import rlmctl, wait_for
 from tests.rlmctl.test_cluster import status_of
+from trainer.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(1800)
@@ -150,8 +151,10 @@ def test_rlmctl_runs_each_hosts_torchrun_in_the_image_over_ssh(
     run_dir = rig.shared_dir / "runs" / run
 
     try:
-        running = wait_for(lambda: (s := status_of(path, run)) and (s.get("step") or 0) >= 3 and s, 300,
-                           "step 3 in the image on both hosts")  # fmt: skip
+        # The run directory is polled (a file read), `rlmctl status` asked once it is there.
+        wait_for(lambda: (RunDir(run_dir).read_status().get("step") or 0) >= 3, 300,
+                 "step 3 in the image on both hosts")  # fmt: skip
+        running = status_of(path, run)
         assert running["state"] == "running", running
         assert [h["alive"] for h in running["hosts"]] == [True, True], running["hosts"]
         # torchrun and the trainers (every python of the run) run in containers: in PID

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from runcontract.states import EventKind
+from runcontract.states import EventKind, RunState
 from tests.ansible.playbook_run import REPO, PlaybookRun, run_playbook, write_inventory
 from tests.rig import Rig
 from tests.rlmctl.conftest import rlmctl
@@ -220,6 +220,39 @@ def status_of(cluster: Cluster, run: str, inventory: Path | None = None) -> dict
     return json.loads(result.stdout) if result.stdout.strip() else {}
 
 
+# The waits below poll the run directory on the shared directory (a file read) and ask `rlmctl
+# status` only once it says the awaited moment came: rlmctl status is ~1 CPU-s (a Python start,
+# the inventory, squeue and sacct over SSH), and polled every second while a job ran for
+# minutes it took a core of this 2-core machine from the other worker's tests.
+def run_dir_of(cluster: Cluster, run: str) -> RunDir:
+    """Where rlmctl keeps `run` (rlm_shared_dir/runs), seen from the test."""
+    return RunDir(cluster.rig.shared_dir / "runs" / run)
+
+
+def trained(cluster: Cluster, run: str) -> int:
+    """The step status.json says the run has reached."""
+    return run_dir_of(cluster, run).read_status().get("step") or 0
+
+
+def newest_checkpoint(run_dir: RunDir) -> int:
+    """The step of the run's newest checkpoint that verifies (0: none)."""
+    return max((info.step for info in run_dir.checkpoints() if info.valid), default=0)
+
+
+def completed(cluster: Cluster, run: str, timeout: float, inventory: Path | None = None) -> dict:
+    """`rlmctl status` of `run` once its job has COMPLETED, waiting first for the run directory
+    to say done."""
+    run_dir = run_dir_of(cluster, run)
+    wait_for(lambda: run_dir.state() is RunState.DONE, timeout, f"run {run} done")
+    return wait_for(
+        lambda: (
+            (s := status_of(cluster, run, inventory)) and s["slurm"]["state"] == "COMPLETED" and s
+        ),
+        60,
+        f"the job of {run} to complete",
+    )
+
+
 def run_processes(cluster: Cluster, run_dir: Path) -> dict[str, str]:
     """Per compute node, processes whose command line names the run directory."""
     text = str(run_dir)
@@ -239,11 +272,7 @@ def test_launch_trains_tiny_on_two_nodes_to_completion(cluster: Cluster) -> None
     result = rlmctl("-i", str(cluster.inventory), *argv, *TINY, "train.steps=20", timeout=180)
     assert result.returncode == 0, result.stderr
     job_id = json.loads(result.stdout)["job_id"]
-    final = wait_for(
-        lambda: (s := status_of(cluster, run)) and s["slurm"]["state"] == "COMPLETED" and s,
-        240,
-        "the job to complete",
-    )
+    final = completed(cluster, run, 240)
     assert final["state"] == "done" and final["step"] == 20, final
     assert final["slurm"]["job_id"] == job_id and final["slurm"]["exit_code"] == "0:0"
     nodes = (
@@ -280,11 +309,7 @@ def launch_and_stop(
     argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2"]
     result = rlmctl("-i", str(inventory), *argv, *overrides, timeout=180)
     assert result.returncode == 0, result.stderr
-    wait_for(
-        lambda: (status_of(cluster, run, inventory).get("step") or 0) >= at_step,
-        240,
-        f"step {at_step}",
-    )
+    wait_for(lambda: trained(cluster, run) >= at_step, 240, f"step {at_step}")
     stopped = rlmctl("-i", str(inventory), "stop", run, "--timeout", "90", timeout=240)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     return status_of(cluster, run, inventory)
@@ -318,7 +343,7 @@ def test_each_rank_runs_on_the_cpus_its_nodes_plan_gives_it(
     assert launched.returncode == 0, launched.stderr
     job = json.loads(launched.stdout)["job_id"]
     try:
-        wait_for(lambda: (status_of(cluster, run, inventory).get("step") or 0) >= 2, 240, "step 2")
+        wait_for(lambda: trained(cluster, run) >= 2, 240, "step 2")
         nodes = rig.exec("node1", f"squeue -h -j {job} -o %N").stdout.strip()
         hostnames = rig.exec("node1", f"scontrol show hostnames {nodes}").stdout.split()
         assert len(hostnames) == 2, nodes
@@ -359,11 +384,7 @@ def test_resume_after_stop_finishes_in_the_same_run_directory(
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     checkpoint = f"resuming from step-{before['checkpoint']['step']:08d}"
     assert checkpoint in resumed.stderr + resumed.stdout, resumed.stderr
-    final = wait_for(
-        lambda: (s := status_of(cluster, run)) and s["slurm"]["state"] == "COMPLETED" and s,
-        300,
-        "the resumed job to complete",
-    )
+    final = completed(cluster, run, 300)
     assert final["slurm"]["job_id"] != first_job
     assert final["state"] == "done" and final["step"] == steps, final
     assert final["run_dir"] == before["run_dir"]
@@ -404,12 +425,8 @@ def test_an_ssh_launch_on_the_same_nodes_runs_in_the_trainer_slice_and_stops_cle
     overrides = [*TINY, "train.steps=100000", "checkpoint.interval_steps=1000"]
     result = rlmctl("-i", str(inventory), *argv, "--nodes", "2", *overrides, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
-    status = wait_for(
-        lambda: (s := status_of(cluster, run, inventory)) and (s.get("step") or 0) >= 2 and s,
-        240,
-        "step 2 of the SSH launch",
-    )
-    run_dir = Path(status["run_dir"])
+    wait_for(lambda: trained(cluster, run) >= 2, 240, "step 2 of the SSH launch")
+    run_dir = Path(status_of(cluster, run, inventory)["run_dir"])
     for node in nodes:
         cgroups = trainer_cgroups(cluster, node, run_dir)
         assert cgroups and all("/rlm-trainer.slice/" in c for c in cgroups), (node, cgroups)
@@ -479,14 +496,17 @@ def test_watch_resubmits_without_the_failed_node_and_readmits_it_once_in_service
         that is RUNNING may not have started its trainer yet, and an older checkpoint proves
         nothing of the new job."""
 
+        run_dir = run_dir_of(cluster, run)
+
         def saved_since_start() -> dict | None:
+            events = run_dir.events()
+            starts = [e.fields["step"] for e in events if e.kind == "start" and e.time > since]
+            if not starts or newest_checkpoint(run_dir) < starts[-1] + 5:
+                return None
             s = status_of(cluster, run, inventory)
             if not s or s["slurm"]["state"] != "RUNNING" or s["slurm"]["job_id"] == other_than:
                 return None
-            events = RunDir(Path(s["run_dir"])).events()
-            starts = [e.fields["step"] for e in events if e.kind == "start" and e.time > since]
-            saved = (s.get("checkpoint") or {}).get("step") or 0
-            return s if starts and saved >= starts[-1] + 5 else None
+            return s
 
         return wait_for(saved_since_start, 240, f"a job after {other_than} saving 5 steps")
 
@@ -568,9 +588,11 @@ def wait_for_requeue(
 ) -> dict:
     """The run's status once its job is back in the queue (PENDING) and the trainer has
     stopped after saving."""
+    run_dir = run_dir_of(cluster, run)
     return wait_for(
         lambda: (
-            (s := status_of(cluster, run))
+            run_dir.state() is RunState.STOPPED
+            and (s := status_of(cluster, run))
             and s["slurm"]["state"] == "PENDING"
             and s["state"] == "stopped"
             and s
@@ -606,11 +628,7 @@ def test_a_short_time_limit_checkpoints_on_the_signal_requeues_and_finishes(
     saved = requeued["checkpoint"]["step"]
     assert requeued["checkpoint"]["valid"] and 0 < saved < steps, requeued
     rig.exec("node1", f"scontrol update JobId={job} TimeLimit=30 StartTime=now")
-    final = wait_for(
-        lambda: (s := status_of(cluster, run)) and s["slurm"]["state"] == "COMPLETED" and s,
-        480,
-        "the requeued job to complete",
-    )
+    final = completed(cluster, run, 480)
     assert_requeued_once_and_resumed(cluster, final, job, saved, steps)
 
 
@@ -643,7 +661,7 @@ def test_preemption_checkpoints_on_the_signal_requeues_and_finishes(
     )
     urgent = ""
     try:
-        wait_for(lambda: (status_of(cluster, run).get("step") or 0) >= 3, 240, "step 3")
+        wait_for(lambda: trained(cluster, run) >= 3, 240, "step 3")
         urgent = rig.exec(
             "node1",
             f"sbatch --parsable --partition={URGENT} --nodes={len(COMPUTE)} --exclusive "
@@ -683,13 +701,13 @@ def test_segments_run_past_the_time_limit_each_from_the_last_checkpoint(
     back (PACED_ENV) so that no segment can finish the run; the ledger holds every sample of
     the lineage exactly once."""
     assert cluster.first.rc == 0
-    rig, run = cluster.rig, "slurm-segments"
+    run = "slurm-segments"
     inventory = paced_inventory(cluster, tmp_path)
     overrides = [*TINY, "train.steps=100000", "checkpoint.interval_steps=1000"]
     argv = ["launch", "--config", CONFIG, "--name", run, "--nodes", "2", "--time", "3"]
     launched = rlmctl("-i", str(inventory), *argv, "--segments", "3", *overrides, timeout=180)
     assert launched.returncode == 0, launched.stderr
-    run_dir = RunDir(rig.shared_dir / "runs" / run)
+    run_dir = run_dir_of(cluster, run)
     chain = json.loads((run_dir.path / "slurm.json").read_text())["chain"]
     assert len(chain) == 3, chain
 
@@ -697,6 +715,9 @@ def test_segments_run_past_the_time_limit_each_from_the_last_checkpoint(
         return [job_state(cluster, job) for job in chain]
 
     def second_trains() -> dict | None:
+        starts = [e for e in run_dir.events() if e.kind == EventKind.START]
+        if len(starts) < 2 or trained(cluster, run) <= newest_checkpoint(run_dir) + 2:
+            return None
         s = status_of(cluster, run, inventory)
         saved = s.get("checkpoint") or {}
         segment = s.get("slurm") or {}
