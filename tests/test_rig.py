@@ -17,7 +17,7 @@ import pytest
 from tests.rig import MAX_HOSTS, Rig
 from tests.rig.layout import Layout
 from tests.rig.processes import identify, is_running
-from tests.rig.rig import PAUSE_FIFO_ENV, leftovers, teardown
+from tests.rig.rig import PAUSE_ENV, leftovers, teardown
 from trainer.rundir import read_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,26 +231,34 @@ def test_a_rig_left_by_a_dead_process_is_torn_down_by_another(rig: Rig) -> None:
     assert rig.ssh("node1", "hostname").stdout == "node1\n"
 
 
-def test_ctrl_c_during_up_tears_the_half_built_rig_down(rig: Rig, tmp_path: Path) -> None:
+# `python -m tests.rig ARGS` with SIGINT at its default, as a terminal starts it. A process
+# inherits an ignored SIGINT (a suite started in the background by a script ignores it), and
+# Python then never turns SIGINT into KeyboardInterrupt: `up` ignored the test's Ctrl-C.
+UP_AS_FROM_A_TERMINAL = """
+import runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.argv[0] = "tests.rig"
+runpy.run_module("tests.rig", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_during_up_tears_the_half_built_rig_down(rig: Rig) -> None:
     layout = Layout(rig.layout.rig_id, CLI_SLOT)
     # A killed earlier run's state file would pass the wait below before this `up` wrote its
     # own, and the signal would come before `up` could handle it (seen: -2, or no teardown).
     teardown(layout)
     assert not layout.state_file.exists()
-    pause = tmp_path / "pause"
-    os.mkfifo(pause)
-    # 4 hosts: the FIFO makes the interruption land mid-way whatever the count, and every host
-    # more is teardown work (namespaces, links) that contends with the other worker's rigs.
+    # 4 hosts: the pause makes the interruption land mid-way whatever the count.
     up = subprocess.Popen(
-        [sys.executable, "-m", "tests.rig", "up", "4", "--slot", str(CLI_SLOT)],
+        [sys.executable, "-c", UP_AS_FROM_A_TERMINAL, "up", "4", "--slot", str(CLI_SLOT)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, PAUSE_FIFO_ENV: str(pause), "PYTHONFAULTHANDLER": "1"},
+        env={**os.environ, PAUSE_ENV: "1", "PYTHONFAULTHANDLER": "1"},
     )
     try:
-        # `up` waits on the FIFO once the hosts' processes exist (and the state file lists them).
+        # `up` pauses once the hosts' processes exist (and the state file lists them).
         deadline = time.monotonic() + 120
         while not (read_json(layout.state_file) or {}).get("hosts"):
             assert up.poll() is None and time.monotonic() < deadline, up.stderr
@@ -261,8 +269,7 @@ def test_ctrl_c_during_up_tears_the_half_built_rig_down(rig: Rig, tmp_path: Path
         try:
             _, err = up.communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            # Seen twice in full `make test` runs (2026-12-04, with 32 hosts, stderr empty at
-            # 60 s): SIGABRT makes faulthandler print where `up` is.
+            # SIGABRT makes faulthandler print where `up` is.
             up.send_signal(signal.SIGABRT)
             _, err = up.communicate(timeout=30)
             raise AssertionError(f"no teardown within 120 s of SIGINT; stderr: {err}") from None

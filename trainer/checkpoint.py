@@ -242,6 +242,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# The training loop's waits on checkpoint threads go in slices: Python runs a signal's handler
+# only between bytecodes, so a SIGTERM whose C-level handler ran just before a plain join began
+# would not be seen before the join ended (a hung save: never), and a second SIGTERM would then
+# count as the first.
+SIGNAL_CHECK_S = 0.5
+
+
+def _join(thread: threading.Thread) -> None:
+    while thread.is_alive():
+        thread.join(SIGNAL_CHECK_S)
+
+
 class CheckpointStore:
     """Saves and loads the checkpoints of one run; only rank 0 writes.
 
@@ -324,7 +336,8 @@ class CheckpointStore:
         The training loop calls this before its optimizer step changes them in place (as
         torchtitan waits for staging); it returns at once when no copy is in progress."""
         if self._staged is not None:
-            self._staged.wait()
+            while not self._staged.wait(SIGNAL_CHECK_S):
+                pass
 
     def _stage_and_write(self, step: int, state: dict[str, Any], staged: threading.Event) -> bool:
         try:
@@ -342,12 +355,12 @@ class CheckpointStore:
             self._wait_for_write()  # first: a background save may start deletes of its own
         finally:
             for purge in self._purges:
-                purge.join()
+                _join(purge)
             self._purges.clear()
 
     def _wait_for_write(self) -> None:
         if self._thread is not None:
-            self._thread.join()
+            _join(self._thread)
             self._thread = None
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None

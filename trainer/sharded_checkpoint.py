@@ -30,6 +30,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -183,11 +184,16 @@ class Staged:
     def __init__(self, future: Any) -> None:
         self._future = future
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the copy is done (or failed), False if `timeout` passed first."""
+        done, _ = futures.wait([self._future], timeout)
+        if not done:
+            return False
         # A failed copy surfaces from the write's future; DCP's own CheckpointException is a
         # BaseException, which `except Exception` would let through.
         with contextlib.suppress(Exception, CheckpointException):
             self._future.result()
+        return True
 
 
 class ShardWrite:

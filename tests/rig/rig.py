@@ -29,8 +29,8 @@ HALT_GRACE_S = 20.0  # a halting node stops its units first
 STATE_FORMAT = 2
 
 
-# A FIFO `up` opens for reading (and so waits on) once every host's processes exist.
-PAUSE_FIFO_ENV = "RLM_RIG_PAUSE_FIFO"
+# Set (to 1), `up` waits for a signal once every host's processes exist (a test interrupts it).
+PAUSE_ENV = "RLM_RIG_PAUSE"
 
 
 @dataclass(frozen=True)
@@ -207,10 +207,11 @@ class Rig:
                 raise RigError(f"the namespace holder of {name} exited at once")
             self.hosts.append(Host(name, ip, layout.netns(i), holder, suite, boot_dir))
         self._save_state()
-        pause = os.environ.get(PAUSE_FIFO_ENV)
-        if pause:  # a test interrupts a half-built rig here; it never writes to the FIFO
-            with open(pause, encoding="utf-8"):
-                pass
+        if os.environ.get(PAUSE_ENV):  # a test interrupts a half-built rig here
+            # Slices of sleep, not one blocking call: Python runs the handler between bytecodes,
+            # and a SIGINT that came just before a blocking open() began would go unseen.
+            while True:
+                time.sleep(0.1)
         node.wait_holders_ready(layout, holders, deadline - time.monotonic())
 
         for host in self.hosts:

@@ -7,6 +7,8 @@ import copy
 import functools
 import logging
 import os
+import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.trainer.training_runs import REPO
 from trainer.checkpoint import (
     MODEL_FILE,
     CheckpointConfig,
@@ -172,6 +175,53 @@ mgr.phase_hook = stop
 mgr.save(2, state(2))
 os.kill(os.getpid(), signal.SIGSTOP)
 """
+
+
+# An async save stuck in its writer thread (a hung filesystem); the main thread waits for it as
+# the loop does before the next save. The main thread blocks SIGTERM, so the kernel runs the
+# signal's C-level handler in the writer thread: what happens in the trainer when a signal lands
+# just before the main thread enters its wait (seen in full suite runs: a stop never announced).
+SIGNAL_DURING_A_STUCK_SAVE = """
+import signal, sys, threading, torch
+from trainer.checkpoint import CheckpointConfig, CheckpointStore
+from trainer.rundir import RunDir
+from trainer.stop_signals import StopSignals
+
+signals = StopSignals()
+signals.install()
+store = CheckpointStore(RunDir(sys.argv[1]).create(), CheckpointConfig(async_save=True), 0, 1)
+hung = threading.Event()
+store.phase_hook = lambda phase: phase == "files-written" and hung.wait()
+state = {"model": {"w": torch.ones(4)}, "optimizer": {}, "progress": {"step": 1}, "rng": [],
+         "config": {}, "version": "t"}
+assert store.save(1, state)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+print("waiting", flush=True)
+store.wait()
+"""
+
+
+def test_a_signal_is_handled_while_the_loop_waits_for_a_stuck_save(tmp_path: Path) -> None:
+    """Python runs a signal's handler in the main thread between bytecodes; a wait that no signal
+    interrupts (a thread join) must still give it the chance, or a stop is not even announced
+    while a save hangs, and a second SIGTERM counts as the first."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", SIGNAL_DURING_A_STUCK_SAVE, str(tmp_path / "run")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "waiting\n"
+        child.send_signal(signal.SIGTERM)
+        selector = selectors.DefaultSelector()
+        selector.register(child.stderr, selectors.EVENT_READ)
+        announced = selector.select(timeout=30) and child.stderr.readline()
+        assert announced and announced.startswith("SIGTERM: stopping"), announced
+    finally:
+        child.kill()
+        child.communicate()
 
 
 def wait_stopped(proc: subprocess.Popen[bytes], deadline_s: float = 120.0) -> None:
