@@ -53,13 +53,25 @@ def test_micro_batch_zero_is_one_line(prepared_data: Path, tmp_path: Path) -> No
     assert not (tmp_path / "run").exists()
 
 
-# `python -m trainer ARGS`, printing at exit whether torch was ever loaded.
+def trainer_under(prologue: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m trainer ARGS` in a Python that first runs `prologue` (test instrumentation)."""
+    source = prologue + '\nsys.argv[0] = "trainer"\n'
+    source += 'runpy.run_module("trainer", run_name="__main__", alter_sys=True)\n'
+    return subprocess.run(
+        [sys.executable, "-c", source, *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# Prints at exit whether torch was ever loaded.
 TORCH_LOADED_AT_EXIT = """
 import atexit, runpy, sys
 
 atexit.register(lambda: print("torch loaded:", "torch" in sys.modules))
-sys.argv[0] = "trainer"
-runpy.run_module("trainer", run_name="__main__", alter_sys=True)
 """
 
 
@@ -67,14 +79,7 @@ def test_a_config_error_answers_before_torch_loads(prepared_data: Path, tmp_path
     """A typo in an override is one line in a fraction of a second: the config (torch-free) is
     checked before the trainer loads torch (seconds, more on a busy login node)."""
     args = overrides(prepared_data, tmp_path / "run", "train.micro_batch=0")
-    result = subprocess.run(
-        [sys.executable, "-c", TORCH_LOADED_AT_EXIT, "train", "--config", str(TINY), *args],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = trainer_under(TORCH_LOADED_AT_EXIT, "train", "--config", str(TINY), *args)
     one_error_line(result, 2, "train.micro_batch")
     assert result.stdout.strip() == "torch loaded: False", result.stdout
 
@@ -177,8 +182,8 @@ def test_a_data_error_under_torchrun_is_exit_3_from_the_worker_and_one_refusal(
     assert [(k, f["exit_code"]) for k, f in refusals(run)] == [("start_refused", 3), ("exit", 3)]
 
 
-# `python -m trainer ARGS`, with a real SIGTERM to itself at the moment it starts to import
-# torch: where a rank is when torchrun stops it because a faster rank failed.
+# A real SIGTERM to itself at the moment the trainer starts to import torch: where a rank is
+# when torchrun stops it because a faster rank failed.
 SIGTERM_WHILE_TORCH_LOADS = """
 import os, runpy, signal, sys
 
@@ -190,8 +195,6 @@ class SigtermOnTorch:
         return None
 
 sys.meta_path.insert(0, SigtermOnTorch())
-sys.argv[0] = "trainer"
-runpy.run_module("trainer", run_name="__main__", alter_sys=True)
 """
 
 
@@ -205,14 +208,7 @@ def test_a_sigterm_while_torch_loads_still_records_the_refusal(
     run = launched_run(tmp_path / "run")
     missing = tmp_path / "no-such-data"
     args = [*overrides(prepared_data, run.path), f"data.path={missing}"]
-    result = subprocess.run(
-        [sys.executable, "-c", SIGTERM_WHILE_TORCH_LOADS, "train", "--config", str(TINY), *args],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = trainer_under(SIGTERM_WHILE_TORCH_LOADS, "train", "--config", str(TINY), *args)
     assert result.returncode == 3, (result.returncode, result.stderr[-3000:])
     assert "SIGTERM: stopping" in result.stderr, result.stderr[-3000:]
     assert f"error: data.path {missing} does not exist" in result.stderr, result.stderr[-3000:]
