@@ -44,7 +44,6 @@ from typing import Any
 from runcontract.exitcodes import attempt_exit_code
 from runcontract.records import Event, Status, fold_state
 from runcontract.states import (
-    ATTEMPT_EVENTS,
     EVENT_STATES,
     TRAINER_END_EVENTS,
     EventKind,
@@ -438,10 +437,20 @@ class RunDir:
 
     # the end of an attempt ----------------------------------------------------------------------
     def attempt_since(self, events: list[Event] | None = None) -> float:
-        """When the newest attempt began: its `launched` (rlmctl) or `start` (a trainer started
-        by hand, or a Slurm requeue) event; 0 when there is none."""
+        """When the newest attempt began: its `launched` event (rlmctl, a Slurm batch script),
+        or a `start` that no `launched` announced (a trainer started by hand, torchrun's own
+        restart); 0 when there is none. The first `start` after a `launched` is that attempt's
+        own: a host may end before rank 0 says it (failed at once while rank 0 still imported
+        torch), and its exit record belongs to the attempt."""
         events = self.events() if events is None else events
-        return max((e.time for e in events if e.kind in ATTEMPT_EVENTS), default=0.0)
+        since, announced = 0.0, False
+        for event in events:
+            if event.kind == EventKind.LAUNCHED:
+                since, announced = event.time, True
+            elif event.kind == EventKind.START:
+                since = since if announced else event.time
+                announced = False
+        return since
 
     def exit_records(self, since: float) -> dict[str, dict[str, Any]]:
         """Per host, its exit record (hosts/<host>/exit.json) if written by this attempt (the

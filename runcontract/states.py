@@ -99,8 +99,6 @@ EVENT_STATES: dict[EventKind, RunState] = {
 }
 # The events that end or refuse a trainer's attempt, carrying the trainer's own exit code.
 TRAINER_END_EVENTS = frozenset({EventKind.EXIT, EventKind.START_REFUSED})
-# The events that open an attempt: exit codes older than the newest of these are history.
-ATTEMPT_EVENTS = frozenset({EventKind.LAUNCHED, EventKind.START})
 
 
 def allowed(old: RunState | None, new: RunState) -> bool:

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from runcontract.exitcodes import ExitCode, attempt_exit_code, restartable
-from runcontract.records import stopped_before_end
+from runcontract.records import Event, stopped_before_end
 from runcontract.rundir import (
     RunDir,
+    append_jsonl,
     checkpoint_dir_name,
     read_json,
     read_jsonl,
@@ -151,6 +152,31 @@ def test_the_exit_code_of_a_run_directorys_newest_attempt(tmp_path: Path) -> Non
     assert run.attempt_exit_code() == 1
     run.append_event(EventKind.START_REFUSED, exit_code=2, reason="bad checkpoint.resume")
     assert run.attempt_exit_code() == 2 and run.attempt_exit_codes() == [2]
+
+
+def test_a_host_that_ends_before_rank_0_says_start_ends_this_attempt(tmp_path: Path) -> None:
+    """Seen in a full run: one host ended (its exit record written) while rank 0 was still
+    starting, and rank 0's `start` came more than a second later. The record then counted as an
+    earlier attempt's and watch read the attempt's exit code as None: a data error (3) on a
+    host without rank 0 would have been restarted instead of given up on."""
+    run = RunDir(tmp_path / "r").create()
+    now = time.time()
+
+    def event_at(when: float, kind: EventKind, **fields: object) -> None:
+        append_jsonl(run.events_path, Event(now + when, kind.value, dict(fields)).to_dict())
+
+    event_at(-100, EventKind.START, step=0)  # an earlier attempt, started by hand
+    event_at(-90, EventKind.EXIT, exit_code=0, state="stopped", step=5)
+    event_at(-10, EventKind.LAUNCHED, launch="resume")
+    run.host_dir("n2").mkdir(parents=True)
+    write_json_atomic(run.exit_record_path("n2"), {"exit_code": 3, "time": now - 8})
+    event_at(-5, EventKind.START, step=5)  # rank 0, on n1, after its imports
+    assert run.attempt_since() == now - 10
+    assert run.attempt_exit_code() == 3
+    # A second `start` without a launch is a new attempt (torchrun's own restart, or by hand).
+    event_at(-4, EventKind.EXIT, exit_code=0, state="stopped", step=6)
+    event_at(-2, EventKind.START, step=6)
+    assert run.attempt_since() == now - 2 and run.attempt_exit_code() is None
 
 
 def test_end_attempt_takes_the_trainers_code_and_never_leaves_the_run_launching(

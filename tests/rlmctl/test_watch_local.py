@@ -125,7 +125,9 @@ def test_watch_waits_for_the_main_rank_when_another_host_finishes_first(
     """The report: at the last step, a host without rank 0 exits 0 while rank 0 still writes the
     final checkpoint; watch called that host's end a failure, stopped rank 0 in its save and gave
     up on "exit code 0". Two hosts of this machine: `peer` ends at once with 0; `main` waits for
-    that end (its exit record), then saves for a few of watch's polls and says done."""
+    that end (its exit record), says `start` more than a second later (as a rank 0 still
+    importing torch under load did in a full run, which made the record look an earlier
+    attempt's), then saves for a few of watch's polls and says done."""
     hosts = local_inventory / "hosts.yml"
     hosts.write_text(
         hosts.read_text().replace("        localhost:\n", "        main:\n        peer:\n"),
@@ -136,10 +138,11 @@ def test_watch_waits_for_the_main_rank_when_another_host_finishes_first(
         "from runcontract.rundir import RunDir; "
         "from runcontract.states import EventKind; "
         "run = RunDir('.'); "
-        "run.append_event(EventKind.START, step=0, world_size=2); "
-        "run.write_status(state='running', step=10, max_steps=10); "
         "peer = run.exit_record_path('peer'); "
         "[time.sleep(0.1) for _ in iter(lambda: peer.exists(), True)]; "
+        "time.sleep(1.5); "
+        "run.append_event(EventKind.START, step=0, world_size=2); "
+        "run.write_status(state='running', step=10, max_steps=10); "
         "time.sleep(3); "  # the final save: several of watch's polls long
         "run.write_status(state='done', step=10, max_steps=10, exit_code=0); "
         "run.append_event(EventKind.EXIT, exit_code=0, state='done', step=10)"
