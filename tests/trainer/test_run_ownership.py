@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from runcontract.states import EventKind
 from tests.trainer.training_runs import (
     REPO,
     TINY,
@@ -148,7 +149,7 @@ def test_a_failed_resume_leaves_a_finished_run_as_it_was(
 def launched_run(run: Path) -> RunDir:
     """A run directory as `rlmctl launch` leaves it before any trainer started."""
     made = RunDir(run).create_exclusive("# config\n", {"inventory": "test", "created": time.time()})
-    assert made.record("launched", hosts=["localhost"])
+    assert made.record(EventKind.LAUNCHED, hosts=["localhost"])
     return made
 
 
