@@ -60,6 +60,31 @@ UNAVAILABLE = "Requested node configuration is not available"
 NODE_COUNT_REFUSALS = (UNAVAILABLE, "Node count specification invalid")
 
 
+def give(path: Path, uid: int, gid: int) -> bool:
+    """lchown `path` to uid:gid unless it is theirs already; whether it was."""
+    owned = path.lstat()
+    if (owned.st_uid, owned.st_gid) == (uid, gid):
+        return True
+    os.lchown(path, uid, gid)
+    return False
+
+
+def give_run_directory(run: RunDir, uid: int, gid: int) -> None:
+    """The run directory and what is in it to uid:gid, but for the inside of a checkpoint that
+    is theirs already: the jobs write each checkpoint whole as that user and rlmctl never writes
+    into one, and checkpoints hold nearly all of a big run's files (a shard per rank and save),
+    on a parallel filesystem where every stat is a round trip to its metadata server. One that
+    is not theirs (made by root: `rlm-train import-hf`, a copy) is walked and handed over."""
+    give(run.path, uid, gid)
+    for directory, dirnames, filenames in os.walk(run.path):
+        here = Path(directory)
+        for name in filenames:
+            give(here / name, uid, gid)
+        theirs = {name for name in dirnames if give(here / name, uid, gid)}
+        if here == run.checkpoints_dir:
+            dirnames[:] = [name for name in dirnames if name not in theirs]
+
+
 @dataclass(frozen=True)
 class NodeRow:
     """One node of a partition as `sinfo --Node` lists it."""
@@ -289,10 +314,10 @@ class Backend:
         if (uid, gid) == (os.geteuid(), os.getegid()):
             return
         try:
-            for path in paths if paths is not None else [run.path, *run.path.rglob("*")]:
-                owned = path.lstat()
-                if (owned.st_uid, owned.st_gid) != (uid, gid):
-                    os.lchown(path, uid, gid)
+            if paths is None:
+                give_run_directory(run, uid, gid)
+            for path in paths or []:
+                give(path, uid, gid)
         except OSError as error:  # e.g. NFS with root_squash: root is nobody there
             user = self.submit_host.service_user
             raise RlmctlError(

@@ -786,3 +786,39 @@ def test_the_submit_host_is_reached_as_the_service_user(tmp_path: Path) -> None:
         assert ctx.fleet.endpoint(submitter).login == "svc"
         assert ctx.fleet.endpoint(ctx.inventory.hosts["ctl"]).login == "root"
         assert backend.submit_command(submitter, "squeue") == "squeue"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hands files to another user: needs root")
+def test_the_run_directory_goes_to_the_jobs_user_but_for_checkpoints_already_theirs(
+    tmp_path: Path,
+) -> None:
+    """rlmctl as root gives the jobs' user the run directory on every Slurm start. It walked all
+    of it: on a big run nearly every file is a checkpoint shard, written by that user already,
+    each a metadata round trip on a parallel filesystem. A checkpoint of theirs is now left
+    unwalked; one root made (an import, a copy) is handed over whole, as is the rest."""
+    from rlmctl.backend_slurm import give_run_directory
+    from runcontract.rundir import RunDir
+
+    uid, gid = 4242, 4343  # the jobs' user; no such account is needed for lchown
+    run = RunDir(tmp_path / "run").create()
+    (run.path / "config.yaml").write_text("# root's\n")
+    imported = run.checkpoint_path(0)  # made by root
+    (imported / "dcp").mkdir(parents=True)
+    (imported / "dcp" / "__0_0.distcp").write_bytes(b"shard")
+    trained = run.checkpoint_path(10)  # written by the jobs
+    (trained / "dcp").mkdir(parents=True)
+    shard = trained / "dcp" / "__0_0.distcp"
+    shard.write_bytes(b"shard")
+    for path in (trained, trained / "dcp", shard):
+        os.lchown(path, uid, gid)
+    os.lchown(trained / "dcp", 0, 0)  # theirs would never be so; shows it is not walked
+
+    give_run_directory(run, uid, gid)
+
+    def owner(path: Path) -> tuple[int, int]:
+        return path.lstat().st_uid, path.lstat().st_gid
+
+    rest = [p for p in run.path.rglob("*") if not p.is_relative_to(trained)]
+    assert {p: owner(p) for p in [run.path, *rest]} == {p: (uid, gid) for p in [run.path, *rest]}
+    assert imported / "dcp" / "__0_0.distcp" in rest
+    assert owner(trained) == (uid, gid) and owner(trained / "dcp") == (0, 0)
