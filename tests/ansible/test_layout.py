@@ -79,3 +79,16 @@ def test_one_ansible_core_floor_for_the_package_the_collection_and_every_role() 
     for role in ROLES:
         meta = yaml.safe_load((role / "meta/main.yml").read_text())
         assert str(meta["galaxy_info"]["min_ansible_version"]) == floor.group(1), role.name
+
+
+def test_roles_copy_and_template_through_the_one_call_actions() -> None:
+    """A no-change rerun costs one remote run per file only through rlm.ops.copy/template
+    (plugins/action); a role that calls the builtins pays two. Lookups of the builtin template
+    (rendered on the controller) are not copies and stay."""
+    builtin = re.compile(r"^\s*(?:- )?ansible\.builtin\.(copy|template):", re.MULTILINE)
+    offenders = [
+        f"{path.relative_to(REPO)}: ansible.builtin.{match.group(1)}"
+        for path in sorted((REPO / "roles").rglob("*.yml")) + sorted(PLAYBOOKS.glob("*.yml"))
+        for match in builtin.finditer(path.read_text())
+    ]
+    assert offenders == [], "use rlm.ops.copy / rlm.ops.template: " + ", ".join(offenders)
