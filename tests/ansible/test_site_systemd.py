@@ -407,10 +407,12 @@ def test_exporter_ports_answer_only_mgmt_and_other_ports_only_cluster_members(si
 # The air-gapped site: full wheelhouses, preflight, one verdict on the shared directory, Debian 13.
 # Self-contained: these tests use the module's nodes and inventory, and leave them as they were.
 
+# torch as installed, by its distribution version, which is what a manifest names: PyPI's CUDA
+# build says 2.13.0 there and 2.13.0+cu130 in torch.__version__ (the CPU index's says +cpu in both).
 VENV_REPORT = (
     "import importlib.metadata as m, json, sys, torch\n"
     "x = torch.ones(8, 8)\n"
-    "print(json.dumps({'python': '%d.%d' % sys.version_info[:2], 'torch': torch.__version__,"
+    "print(json.dumps({'python': '%d.%d' % sys.version_info[:2], 'torch': m.version('torch'),"
     " 'product': float((x @ x).sum()), 'bundle': m.version('rlm-ops')}))\n"
 )
 
