@@ -243,7 +243,24 @@ def completed(cluster: Cluster, run: str, timeout: float, inventory: Path | None
     """`rlmctl status` of `run` once its job has COMPLETED, waiting first for the run directory
     to say done."""
     run_dir = run_dir_of(cluster, run)
-    wait_for(lambda: run_dir.state() is RunState.DONE, timeout, f"run {run} done")
+
+    def why() -> str:
+        """What a wait that did not end in `done` saw: the status, the queue, the last events."""
+        queue = cluster.rig.exec("node1", "squeue -a -o '%i %T %r %S %l %M'", check=False)
+        events = (
+            run_dir.events_path.read_text().splitlines()[-12:]
+            if run_dir.events_path.exists()
+            else []
+        )
+        return "\n".join([json.dumps(status_of(cluster, run, inventory)), queue.stdout, *events])
+
+    ended = wait_for(
+        lambda: run_dir.state() in (RunState.DONE, RunState.FAILED) and run_dir.state(),
+        timeout,
+        f"run {run} to end",
+        why,
+    )
+    assert ended is RunState.DONE, why()
     return wait_for(
         lambda: (
             (s := status_of(cluster, run, inventory)) and s["slurm"]["state"] == "COMPLETED" and s
