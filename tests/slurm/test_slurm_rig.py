@@ -255,7 +255,7 @@ def completed(cluster: Cluster, run: str, timeout: float, inventory: Path | None
         return "\n".join([json.dumps(status_of(cluster, run, inventory)), queue.stdout, *events])
 
     ended = wait_for(
-        lambda: run_dir.state() in (RunState.DONE, RunState.FAILED) and run_dir.state(),
+        lambda: (state := run_dir.state()) in (RunState.DONE, RunState.FAILED) and state,
         timeout,
         f"run {run} to end",
         why,
